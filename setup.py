@@ -1,0 +1,47 @@
+"""Build of the Cython kernel; all metadata is in pyproject.toml.
+
+Environment switches (read at build time):
+
+* ``FASTBATCH_DEBUG=1``: bounds-checked debug build (``boundscheck``,
+  ``wraparound`` and ``initializedcheck`` on, ``-O0 -g``); for ASan/valgrind.
+* ``FASTBATCH_OPT``: optimisation flags, default ``-O3``.
+* ``FASTBATCH_ANNOTATE=1``: also write Cython's HTML annotation (``cython -a``).
+* ``CFLAGS`` / ``LDFLAGS`` are honoured as usual (e.g. ``-fsanitize=address``).
+"""
+
+import os
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+DEBUG = os.environ.get("FASTBATCH_DEBUG", "0") == "1"
+
+# The one place where compiler directives are set.
+COMPILER_DIRECTIVES = {
+    "language_level": 3,
+    "boundscheck": DEBUG,
+    "wraparound": DEBUG,
+    "initializedcheck": DEBUG,
+    "cdivision": True,
+    "embedsignature": True,
+}
+
+extra_compile_args = (["-O0", "-g3", "-fno-omit-frame-pointer"] if DEBUG
+                      else os.environ.get("FASTBATCH_OPT", "-O3").split())
+
+extensions = [
+    Extension(
+        "fastbatch._kernel",
+        ["fastbatch/_kernel.pyx"],
+        extra_compile_args=extra_compile_args,
+        undef_macros=["NDEBUG"] if DEBUG else [],
+    )
+]
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        compiler_directives=COMPILER_DIRECTIVES,
+        annotate=os.environ.get("FASTBATCH_ANNOTATE", "0") == "1",
+    )
+)
