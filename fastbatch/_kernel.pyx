@@ -90,9 +90,13 @@ cdef inline bint _is_placeholder(PyObject* item, Py_ssize_t request,
 
 
 cdef Py_ssize_t _as_row(object req_id, object prev_index) except -1:
-    """vLLM's ``prev_index`` as a row number: an int >= 0, else a clear error."""
+    """vLLM's ``prev_index`` as a row number: an int >= 0, else a clear error.
+
+    (vLLM would wrap a negative index around; that is never what was meant.)
+    """
+    cdef Py_ssize_t row
     try:
-        return prev_index.__index__()
+        row = prev_index.__index__()
     except AttributeError:
         raise TypeError(
             f"prev_req_id_to_index[{req_id!r}] must be an int, "
@@ -102,6 +106,9 @@ cdef Py_ssize_t _as_row(object req_id, object prev_index) except -1:
         raise IndexError(
             f"prev_req_id_to_index[{req_id!r}] = {prev_index} is out of range"
         ) from None
+    if row < 0:
+        raise IndexError(f"prev_req_id_to_index[{req_id!r}] = {row} is negative")
+    return row
 
 
 cdef Py_ssize_t _plan(list req_ids, dict prev_req_id_to_index,
@@ -137,10 +144,6 @@ cdef Py_ssize_t _plan(list req_ids, dict prev_req_id_to_index,
                 position - 1):
             position -= 1
         row = _as_row(req_id, <object>prev_index)
-        if row < 0:
-            raise IndexError(
-                f"prev_req_id_to_index[{req_id!r}] = {row} is negative"
-            )
         plans[count].index = index
         plans[count].row = row
         plans[count].first_placeholder = position

@@ -1,0 +1,110 @@
+"""The compiled kernel neither leaks references nor memory, on success or error.
+
+A leaked reference to a freshly created token id keeps that int alive for
+ever, so it shows up as traced memory that grows with the number of calls;
+a leaked reference to an argument shows up in ``sys.getrefcount``.
+"""
+
+import gc
+import sys
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import fastbatch._kernel as kernel
+from batches import CountingEvent
+
+NUM_REQS = 64
+CALLS = 3000
+
+
+def _state(spec_decode: bool):
+    req_ids = [f"r{i}" for i in range(NUM_REQS)]
+    prev = {req_id: NUM_REQS - 1 - i for i, req_id in enumerate(req_ids)}
+    width = 5 if spec_decode else 1
+    # Ids far above the small-int cache: every written id is a new int object.
+    sampled = np.arange(100_000, 100_000 + NUM_REQS * width, dtype=np.int64)
+    sampled = sampled.reshape(NUM_REQS, width).copy()
+    if spec_decode:
+        sampled[::2, 3:] = -1  # rejected drafts on every other row
+    outputs = [[1, 2, 3] for _ in req_ids]
+    return req_ids, prev, outputs, sampled
+
+
+def _reset(outputs, placeholders):
+    for ids in outputs:
+        del ids[3:]
+        ids.extend([-1] * placeholders)
+
+
+
+@pytest.mark.parametrize("spec_decode", [False, True], ids=["decode", "spec-decode"])
+def test_no_leak_on_success(spec_decode):
+    req_ids, prev, outputs, sampled = _state(spec_decode)
+    event = CountingEvent()
+    placeholders = 5 if spec_decode else 1
+
+    def step():
+        _reset(outputs, placeholders)
+        kernel.update_async_output_token_ids(req_ids, prev, outputs, sampled, event)
+
+    for _ in range(200):  # warm up caches and free lists
+        step()
+    watched = [req_ids, prev, sampled, event, *req_ids, *outputs]
+    refcounts = [sys.getrefcount(obj) for obj in watched]
+    gc.collect()
+    objects = len(gc.get_objects())
+    tracemalloc.start()
+    try:
+        baseline = tracemalloc.get_traced_memory()[0]
+        for _ in range(CALLS):
+            step()
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - baseline
+    finally:
+        tracemalloc.stop()
+    assert outputs[0][3] == sampled[prev["r0"], 0]  # it really wrote ids
+    assert [sys.getrefcount(obj) for obj in watched] == refcounts
+    assert len(gc.get_objects()) - objects < 50
+    # A leak of one id per request per call would be >= 5 MB here.
+    assert grown < 64 * 1024, f"traced memory grew by {grown} bytes"
+
+
+def test_no_leak_on_errors():
+    req_ids, prev, outputs, sampled = _state(False)
+    _reset(outputs, 1)
+    bad_cases = [
+        (req_ids, {**prev, "r5": -3}, outputs, sampled),
+        (req_ids, {**prev, "r5": "x"}, outputs, sampled),
+        (req_ids, prev, outputs, sampled.astype(np.float64)),
+        (req_ids, prev, outputs, sampled[0]),
+        (req_ids, prev, outputs[:-1], sampled),
+        (req_ids, {**prev, "r5": 10**30}, outputs, sampled),
+    ]
+    watched = [req_ids, prev, outputs, sampled, *outputs]
+    for args in bad_cases:  # warm up
+        with pytest.raises((TypeError, IndexError)):
+            kernel.update_async_output_token_ids(*args)
+    refcounts = [sys.getrefcount(obj) for obj in watched]
+    tracemalloc.start()
+    try:
+        baseline = tracemalloc.get_traced_memory()[0]
+        for _ in range(CALLS // 10):
+            for args in bad_cases:
+                with pytest.raises((TypeError, IndexError)):
+                    kernel.update_async_output_token_ids(*args)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - baseline
+    finally:
+        tracemalloc.stop()
+    assert [sys.getrefcount(obj) for obj in watched] == refcounts
+    assert grown < 64 * 1024, f"traced memory grew by {grown} bytes"
+
+
+def test_buffer_released_after_each_call():
+    """The sampled array's buffer is released: numpy may resize it afterwards."""
+    req_ids, prev, outputs, sampled = _state(False)
+    _reset(outputs, 1)
+    kernel.update_async_output_token_ids(req_ids, prev, outputs, sampled)
+    sampled.resize((NUM_REQS + 1, 1), refcheck=False)  # raises if still exported
