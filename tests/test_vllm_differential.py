@@ -1,0 +1,119 @@
+"""Differential tests against the REAL vLLM 0.33.0 ``InputBatch`` (tox -e vllm).
+
+Each generated batch is built twice as a real ``InputBatch`` on the CPU: with
+``add_request`` for every request and ``remove_request`` for the holes, so the
+request ids, output lists (shared with each ``CachedRequestState``) and
+sampling metadata are vLLM's own.  vLLM's method runs on one copy, fastbatch
+on the other copy's state; every list must come out the same.
+"""
+
+import os
+
+import pytest
+from hypothesis import given, note, settings
+
+from batches import Batch, CountingEvent, batches
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM is imported
+pytestmark = pytest.mark.vllm
+
+import torch  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch  # noqa: E402
+
+import fastbatch  # noqa: E402
+
+MAX_REQS = 10
+
+
+def _real_input_batch(batch: Batch):
+    """A real vLLM InputBatch holding ``batch``, and its CachedRequestStates."""
+    input_batch = InputBatch(
+        max_num_reqs=MAX_REQS,
+        max_model_len=64,
+        max_num_batched_tokens=64,
+        device=torch.device("cpu"),
+        vocab_size=2**31 - 1,
+        block_sizes=[16],
+        max_num_blocks_per_req=[4],
+        # Makes vLLM keep output_token_ids in its sampling metadata, as
+        # penalties, bad words or a thinking budget would.
+        logitsprocs_need_output_token_ids=True,
+    )
+    states = {}
+    for index, (req_id, output) in enumerate(zip(batch.req_ids, batch.output_token_ids)):
+        state = CachedRequestState(
+            req_id=req_id if req_id is not None else f"removed-{index}",
+            prompt_token_ids=[1, 2, 3],
+            mm_features=[],
+            sampling_params=SamplingParams(temperature=0.0),
+            generator=None,
+            block_ids=([],),
+            num_computed_tokens=3,
+            output_token_ids=list(output) if output is not None else [5],
+        )
+        states[state.req_id] = state
+        assert input_batch.add_request(state) == index
+    input_batch.refresh_metadata()
+    for index, req_id in enumerate(batch.req_ids):
+        if req_id is None:
+            input_batch.remove_request(f"removed-{index}")  # leaves a hole
+    input_batch.prev_req_id_to_index = dict(batch.prev_req_id_to_index)
+    input_batch.sampled_token_ids_cpu = torch.from_numpy(batch.sampled.copy())
+    input_batch.async_copy_ready_event = CountingEvent()
+    return input_batch, states
+
+
+def _outputs(input_batch, states):
+    return (list(input_batch.req_output_token_ids),
+            {req_id: state.output_token_ids for req_id, state in states.items()})
+
+
+@settings(max_examples=int(os.environ.get("FASTBATCH_VLLM_EXAMPLES", 1000)))
+@given(batch=batches(max_reqs=MAX_REQS, torch_allowed=False))
+def test_kernel_matches_real_input_batch(implementation, batch):
+    note(repr(batch))
+    stock, stock_states = _real_input_batch(batch)
+    ours, our_states = _real_input_batch(batch)
+    assert stock.req_ids == batch.req_ids  # holes really are None
+    assert stock.sampling_metadata.output_token_ids is stock.req_output_token_ids
+
+    stock.update_async_output_token_ids()
+    implementation.update_async_output_token_ids(
+        ours.req_ids, ours.prev_req_id_to_index, ours.sampling_metadata.output_token_ids,
+        ours.sampled_token_ids_cpu, ours.async_copy_ready_event)
+
+    assert _outputs(ours, our_states) == _outputs(stock, stock_states)
+    assert ours.async_copy_ready_event.count == stock.async_copy_ready_event.count
+    # The lists are still the very ones the CachedRequestStates hold.
+    for req_id, index in ours.req_id_to_index.items():
+        assert ours.req_output_token_ids[index] is our_states[req_id].output_token_ids
+
+
+@given(batch=batches(max_reqs=MAX_REQS, torch_allowed=False))
+def test_kernel_reads_int32_and_int64_torch_tensors_zero_copy(batch):
+    """The kernel views torch CPU tensors in place, strided ones included."""
+    for layout in ("C", "F", "strided"):
+        tensor_batch = batch.clone()
+        tensor_batch.layout, tensor_batch.use_torch = layout, True
+        array_batch = batch.clone()
+        fastbatch.update_async_output_token_ids(
+            tensor_batch.req_ids, tensor_batch.prev_req_id_to_index,
+            tensor_batch.output_token_ids, tensor_batch.sampled_as_given())
+        fastbatch.update_async_output_token_ids(
+            array_batch.req_ids, array_batch.prev_req_id_to_index,
+            array_batch.output_token_ids, array_batch.sampled)
+        assert tensor_batch.output_token_ids == array_batch.output_token_ids
+
+
+def test_torch_tensor_is_not_copied():
+    """A change to the tensor after the call site is seen: no copy was taken."""
+    sampled = torch.tensor([[1], [2]], dtype=torch.int32)
+    outputs = [[-1], [-1]]
+
+    def synchronize():  # the async copy "lands" only now
+        sampled[0, 0], sampled[1, 0] = 41, 42
+
+    fastbatch.update_async_output_token_ids(["a", "b"], {"a": 1, "b": 0}, outputs, sampled,
+                                            synchronize)
+    assert outputs == [[42], [41]]
