@@ -22,7 +22,8 @@ list is changed:
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _STATS_KEYS = ("calls", "syncs", "requests_updated", "tokens_written",
                "placeholders_dropped")

@@ -57,7 +57,7 @@ class Batch:
         """True if vLLM would synchronise: some mapped list ends in -1."""
         return any(
             req_id in self.prev_req_id_to_index and ids and ids[-1] == -1
-            for req_id, ids in zip(self.req_ids, self.output_token_ids)
+            for req_id, ids in zip(self.req_ids, self.output_token_ids, strict=True)
         )
 
 
@@ -119,7 +119,7 @@ def batches(draw, max_reqs: int = 10, max_width: int = 6, max_prefix: int = 8,
                              min_size=len(mapped), max_size=len(mapped)))
     else:
         rows = list(draw(st.permutations(range(num_rows))))[:len(mapped)]
-    prev_req_id_to_index: dict[str, int] = dict(zip(mapped, rows))
+    prev_req_id_to_index: dict[str, int] = dict(zip(mapped, rows, strict=True))
     for k in range(draw(st.integers(0, 2))):  # finished requests still mapped
         prev_req_id_to_index[f"finished-{k}"] = draw(st.integers(0, 50))
 

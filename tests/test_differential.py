@@ -132,7 +132,7 @@ def test_large_batch_long_outputs(implementation):
     num_reqs, drafts = 512, 4
     req_ids = [f"r{i}" for i in range(num_reqs)]
     rows = rng.permutation(num_reqs)
-    prev = {r: int(row) for r, row in zip(req_ids, rows)}
+    prev = {r: int(row) for r, row in zip(req_ids, rows, strict=True)}
     outputs = [list(rng.integers(0, 32_000, 3000)) + [-1] * (drafts + 1)
                for _ in range(num_reqs)]
     outputs = [[int(t) for t in ids] for ids in outputs]

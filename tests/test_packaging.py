@@ -2,6 +2,7 @@
 
 import importlib.machinery
 import importlib.resources
+import os
 import subprocess
 import sys
 import textwrap
@@ -11,8 +12,16 @@ import fastbatch
 
 def test_compiled_kernel_is_the_one_imported():
     assert fastbatch.COMPILED
-    assert fastbatch.update_async_output_token_ids is fastbatch._kernel.update_async_output_token_ids
+    assert fastbatch.update_async_output_token_ids is (
+        fastbatch._kernel.update_async_output_token_ids)
     assert fastbatch._kernel.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+
+def test_tests_run_against_the_installed_package():
+    """Under tox (FASTBATCH_EXPECT_INSTALLED=1) the wheel in site-packages is tested."""
+    if os.environ.get("FASTBATCH_EXPECT_INSTALLED") == "1":
+        assert "site-packages" in fastbatch.__file__, fastbatch.__file__
+    assert fastbatch._kernel.__file__.startswith(os.path.dirname(fastbatch.__file__))
 
 
 def test_typing_files_ship_beside_the_kernel():
@@ -40,6 +49,6 @@ def test_fallback_warns_once_and_works():
         print("fallback ok")
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            check=False)
+                            check=False, cwd=os.path.dirname(os.__file__))
     assert result.returncode == 0, result.stderr
     assert "fallback ok" in result.stdout

@@ -22,6 +22,7 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch  # noqa: E402
 
 import fastbatch  # noqa: E402
+from fastbatch.patches import gpu_input_batch as patch  # noqa: E402
 
 MAX_REQS = 10
 
@@ -41,7 +42,8 @@ def _real_input_batch(batch: Batch):
         logitsprocs_need_output_token_ids=True,
     )
     states = {}
-    for index, (req_id, output) in enumerate(zip(batch.req_ids, batch.output_token_ids)):
+    pairs = zip(batch.req_ids, batch.output_token_ids, strict=True)
+    for index, (req_id, output) in enumerate(pairs):
         state = CachedRequestState(
             req_id=req_id if req_id is not None else f"removed-{index}",
             prompt_token_ids=[1, 2, 3],
@@ -69,25 +71,48 @@ def _outputs(input_batch, states):
             {req_id: state.output_token_ids for req_id, state in states.items()})
 
 
-@settings(max_examples=int(os.environ.get("FASTBATCH_VLLM_EXAMPLES", 1000)))
-@given(batch=batches(max_reqs=MAX_REQS, torch_allowed=False))
-def test_kernel_matches_real_input_batch(implementation, batch):
+EXAMPLES = int(os.environ.get("FASTBATCH_VLLM_EXAMPLES", 1000))
+
+
+@pytest.fixture(scope="module")
+def patched_method():
+    """fastbatch's replacement method, installed on the real class as the plugin does."""
+    assert patch.apply()
+    yield InputBatch.update_async_output_token_ids
+    patch.revert()
+
+
+def _check_against_stock(batch, update_ours):
     note(repr(batch))
     stock, stock_states = _real_input_batch(batch)
     ours, our_states = _real_input_batch(batch)
     assert stock.req_ids == batch.req_ids  # holes really are None
     assert stock.sampling_metadata.output_token_ids is stock.req_output_token_ids
 
-    stock.update_async_output_token_ids()
-    implementation.update_async_output_token_ids(
-        ours.req_ids, ours.prev_req_id_to_index, ours.sampling_metadata.output_token_ids,
-        ours.sampled_token_ids_cpu, ours.async_copy_ready_event)
+    vllm_method = patch.original() or InputBatch.update_async_output_token_ids
+    assert not getattr(vllm_method, "__fastbatch__", False)
+    vllm_method(stock)
+    update_ours(ours)
 
     assert _outputs(ours, our_states) == _outputs(stock, stock_states)
     assert ours.async_copy_ready_event.count == stock.async_copy_ready_event.count
     # The lists are still the very ones the CachedRequestStates hold.
     for req_id, index in ours.req_id_to_index.items():
         assert ours.req_output_token_ids[index] is our_states[req_id].output_token_ids
+
+
+@settings(max_examples=EXAMPLES)
+@given(batch=batches(max_reqs=MAX_REQS, torch_allowed=False))
+def test_kernel_matches_real_input_batch(implementation, batch):
+    _check_against_stock(batch, lambda ours: implementation.update_async_output_token_ids(
+        ours.req_ids, ours.prev_req_id_to_index, ours.sampling_metadata.output_token_ids,
+        ours.sampled_token_ids_cpu, ours.async_copy_ready_event))
+
+
+@settings(max_examples=EXAMPLES)
+@given(batch=batches(max_reqs=MAX_REQS, torch_allowed=False))
+def test_patched_method_matches_real_input_batch(patched_method, batch):
+    _check_against_stock(batch, patched_method)
 
 
 @given(batch=batches(max_reqs=MAX_REQS, torch_allowed=False))
