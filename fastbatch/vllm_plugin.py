@@ -57,15 +57,20 @@ def register() -> None:
 def status(worker: Any = None) -> dict[str, Any]:
     """What fastbatch does in this process, for ``llm.collective_rpc(status)``.
 
-    ``worker`` is the vLLM worker ``collective_rpc`` passes in; unused.
+    ``worker`` is what ``collective_rpc`` passes in (the worker, or its
+    wrapper); when given, ``async_scheduling`` says whether its model runner
+    runs with async scheduling, without which the method has nothing to do.
     """
     import fastbatch
     from fastbatch.patches import gpu_input_batch
 
+    worker = getattr(worker, "worker", worker)  # unwrap a WorkerWrapperBase
+    runner = getattr(worker, "model_runner", None)
     return {
         "pid": os.getpid(),
         "mode": mode(),
         "installed": bool(gpu_input_batch.is_applied()),
         "compiled": fastbatch.COMPILED,
+        "async_scheduling": getattr(runner, "use_async_scheduling", None),
         "stats": fastbatch.stats(),
     }

@@ -1,0 +1,158 @@
+"""Generate with real vLLM on a tiny model and report, as JSON, what happened.
+
+Used by the end-to-end tests (tests/test_e2e.py) and the end-to-end benchmark
+(benchmarks/e2e.py); each run is its own process, so that the environment
+(``FASTBATCH``, ``VLLM_ENABLE_V1_MULTIPROCESSING``, ...) is read afresh by
+vLLM.  The caller sets the environment; this script sets nothing of vLLM's
+but the model runner (V1, the one that calls the replaced method).
+
+    python tools/vllm_generate.py --model DIR --out result.json [--async-scheduling]
+
+The prompts mix sampling settings that need the output history (repetition,
+presence and frequency penalties, bad words) with plain greedy ones; there
+are more prompts than ``max_num_seqs`` and their ``max_tokens`` differ, so
+requests join and leave mid-flight and rows are remapped between steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections import Counter
+
+PROMPTS = [
+    "Hello world", "The quick brown fox", "Once upon a time there was",
+    "Async scheduling overlaps", "Numbers: 1 2 3", "Python, Rust, C",
+    "A placeholder token id of", "The scheduler decides which requests",
+    "Bad words are token sequences", "Repetition penalty", "This is a tiny model",
+    "vLLM is written in", "Hello", "The lazy dog", "Frequency penalty and presence penalty",
+    "0 1 2 3 4 5 6 7 8 9", "Once", "The sampler must never produce",
+    "How many tokens each gets", "Testing vLLM on a CPU.",
+]
+
+
+def _bad_words(llm, tokenizer) -> list[str]:
+    """Two single-token words the model really produces when unconstrained."""
+    from vllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = llm.generate(PROMPTS[:6], greedy, use_tqdm=False)
+    counts = Counter(t for o in outputs for t in o.outputs[0].token_ids)
+    words = []
+    for token, _ in counts.most_common():
+        text = tokenizer.decode([token]).strip()
+        if text and tokenizer.encode(text, add_special_tokens=False) == [token]:
+            words.append(text)
+        if len(words) == 2:
+            break
+    return words
+
+
+def _settings(bad_words: list[str]) -> list[tuple[str, dict]]:
+    return [
+        ("repetition_penalty", {"repetition_penalty": 1.5}),
+        ("presence_penalty", {"presence_penalty": 1.0}),
+        ("frequency_penalty", {"frequency_penalty": 1.0}),
+        ("bad_words", {"bad_words": bad_words}),
+        ("all", {"repetition_penalty": 1.2, "presence_penalty": 0.5,
+                 "frequency_penalty": 0.5, "bad_words": bad_words}),
+        ("plain", {}),
+    ]
+
+
+def _contains(sequence: list[int], part: list[int]) -> bool:
+    return any(sequence[i:i + len(part)] == part for i in range(len(sequence) - len(part) + 1))
+
+
+def _time_replaced_method(timings: dict[str, float]) -> None:
+    """Wrap the (stock or patched) method to time it: in-process runs only."""
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    method = InputBatch.update_async_output_token_ids
+
+    def timed(self):
+        start = time.perf_counter()
+        method(self)
+        timings["seconds"] += time.perf_counter() - start
+        timings["calls"] += 1
+
+    InputBatch.update_async_output_token_ids = timed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument("--num-prompts", type=int, default=len(PROMPTS))
+    parser.add_argument("--max-tokens", type=int, default=0,
+                        help="fixed max_tokens (default: 8 to 62, varying by prompt)")
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--time-method", action="store_true",
+                        help="time the replaced method (needs in-process vLLM)")
+    args = parser.parse_args()
+
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    started = time.perf_counter()
+    from vllm import LLM, SamplingParams
+
+    import fastbatch.vllm_plugin
+
+    report: dict = {"import_s": time.perf_counter() - started}
+    started = time.perf_counter()
+    llm = LLM(model=args.model, dtype="float32", max_model_len=args.max_model_len,
+              enforce_eager=True, max_num_seqs=args.max_num_seqs,
+              kv_cache_memory_bytes=64 * 2**20, seed=0,
+              async_scheduling=args.async_scheduling)
+    report["engine_start_s"] = time.perf_counter() - started
+    tokenizer = llm.get_tokenizer()
+    bad_words = _bad_words(llm, tokenizer)
+    banned = [tokenizer.encode(prefix + word, add_special_tokens=False)
+              for word in bad_words for prefix in ("", " ")]
+
+    settings = _settings(bad_words)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.num_prompts)]
+    labels, params, plain = [], [], []
+    for i in range(len(prompts)):
+        label, extra = settings[i % len(settings)]
+        max_tokens = args.max_tokens or 8 + (i * 23) % 55
+        ignore_eos = args.max_tokens > 0 or i % 2 == 0
+        labels.append(label)
+        params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                     ignore_eos=ignore_eos, **extra))
+        plain.append(SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                    ignore_eos=ignore_eos))
+
+    method_timings = {"seconds": 0.0, "calls": 0}
+    if args.time_method:
+        _time_replaced_method(method_timings)
+    fastbatch.reset_stats()
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    report["generate_s"] = time.perf_counter() - started
+    token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+    report["output_tokens"] = sum(map(len, token_ids))
+    report["tokens_per_s"] = report["output_tokens"] / report["generate_s"]
+    report["method"] = method_timings
+    report["workers"] = llm.collective_rpc(fastbatch.vllm_plugin.status)
+    plain_ids = [list(o.outputs[0].token_ids)
+                 for o in llm.generate(prompts, plain, use_tqdm=False)]
+    report.update(
+        driver_pid=os.getpid(),
+        labels=labels,
+        token_ids=token_ids,
+        plain_token_ids=plain_ids,
+        bad_words=bad_words,
+        bad_word_violations=[
+            [i, part] for i, (label, ids) in enumerate(zip(labels, token_ids, strict=True))
+            if label in ("bad_words", "all") for part in banned if _contains(ids, part)],
+    )
+    with open(args.out, "w") as out:
+        json.dump(report, out)
+
+
+if __name__ == "__main__":
+    main()
