@@ -22,6 +22,7 @@ list is changed:
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -70,23 +71,34 @@ def _resolve_sync(copy_ready: Any) -> Callable[[], object] | None:
                     f"a callable, got {type(copy_ready).__name__}")
 
 
+def _tensor_rows(tensor: Any) -> list[list[int]]:
+    """A torch tensor's rows, after the same checks, in the same order, as the kernel."""
+    dtype = getattr(tensor, "dtype", None)
+    if dtype is None or not hasattr(tensor, "data_ptr"):
+        raise TypeError("sampled_token_ids must be a 2-D int32 or int64 array or CPU "
+                        f"tensor, got {type(tensor).__name__}")
+    torch = sys.modules.get("torch")
+    if torch is None or dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"sampled_token_ids must be int32 or int64, got {dtype}")
+    if not tensor.is_cpu:
+        raise TypeError(f"sampled_token_ids must be on the CPU, got {tensor.device}")
+    if tensor.layout is not torch.strided:
+        raise TypeError(f"sampled_token_ids must be a dense tensor, got {tensor.layout}")
+    if tensor.dim() != 2:
+        raise TypeError(f"sampled_token_ids must be 2-D, got a {tensor.dim()}-D tensor")
+    return tensor.tolist()
+
+
 def _sampled_rows(sampled_token_ids: Any) -> list[list[int]]:
     """The sampled ids as nested lists, after the same checks as the kernel."""
-    if sampled_token_ids is None:
-        raise TypeError("sampled_token_ids must be a 2-D int32 or int64 array "
-                        "or CPU tensor, got NoneType")
     try:
         view = memoryview(sampled_token_ids)
     except TypeError:
-        to_numpy = getattr(sampled_token_ids, "numpy", None)
-        if to_numpy is None:
-            raise TypeError("sampled_token_ids must be a 2-D int32 or int64 "
-                            "array or CPU tensor, got "
-                            f"{type(sampled_token_ids).__name__}") from None
-        view = memoryview(to_numpy())
-    fmt = view.format.lstrip("@=")
-    if not (view.ndim == 2 and fmt in ("q", "l", "i")
-            and view.itemsize in (4, 8)):
+        return _tensor_rows(sampled_token_ids)
+    fmt = view.format
+    if fmt[:1] in ("@", "=") or (fmt[:1] == "<" and sys.byteorder == "little"):
+        fmt = fmt[1:]
+    if not (view.ndim == 2 and fmt in ("q", "l", "i") and view.itemsize in (4, 8)):
         raise TypeError("sampled_token_ids must be a 2-D int32 or int64 array, "
                         f"got a {view.ndim}-D array of format {view.format!r}")
     return view.tolist()

@@ -77,6 +77,8 @@ def sampled_as(values: np.ndarray, layout: str, use_torch: bool = False) -> Any:
         raise ValueError(layout)
     assert np.array_equal(array, values)
     if use_torch:
+        if layout == "reversed":  # torch has no negative strides
+            array = np.asfortranarray(values)
         tensor = torch.from_numpy(array)  # keeps the strides
         assert tensor.tolist() == values.tolist()
         return tensor

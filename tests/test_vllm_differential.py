@@ -142,3 +142,25 @@ def test_torch_tensor_is_not_copied():
     fastbatch.update_async_output_token_ids(["a", "b"], {"a": 1, "b": 0}, outputs, sampled,
                                             synchronize)
     assert outputs == [[42], [41]]
+
+
+@pytest.mark.parametrize(
+    ("make_tensor", "message"),
+    [
+        (lambda: torch.zeros((3, 2), dtype=torch.float32), "int32 or int64"),
+        (lambda: torch.zeros((3, 2), dtype=torch.int16), "int32 or int64"),
+        (lambda: torch.zeros(3, dtype=torch.int64), "2-D"),
+        (lambda: torch.zeros((3, 2, 1), dtype=torch.int32), "2-D"),
+        (lambda: torch.zeros((3, 2), dtype=torch.int64, device="meta"), "CPU"),
+        (lambda: torch.zeros((3, 2), dtype=torch.int64).to_sparse(), "sparse"),
+    ],
+    ids=["float32", "int16", "1-D", "3-D", "meta device", "sparse"],
+)
+def test_bad_tensor_raises_before_any_change(implementation, make_tensor, message):
+    outputs = [[1, -1], [2, -1]]
+    event = CountingEvent()
+    with pytest.raises(TypeError, match=message):
+        implementation.update_async_output_token_ids(["a", "b"], {"a": 0, "b": 1}, outputs,
+                                                     make_tensor(), event)
+    assert outputs == [[1, -1], [2, -1]]
+    assert event.count == 0
