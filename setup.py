@@ -33,6 +33,8 @@ extensions = [
     Extension(
         "fastbatch._kernel",
         ["fastbatch/_kernel.pyx"],
+        include_dirs=["fastbatch"],
+        depends=["fastbatch/_pylong.h"],
         extra_compile_args=extra_compile_args,
         undef_macros=["NDEBUG"] if DEBUG else [],
     )

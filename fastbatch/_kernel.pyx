@@ -44,16 +44,25 @@ cdef extern from "Python.h":
     bint PyLong_CheckExact(PyObject* o)
     bint PyObject_CheckBuffer(object o)
     long long PyLong_AsLongLongAndOverflow(PyObject* o, int* overflow) except? -1
-    Py_ssize_t PyLong_AsSsize_t_raw "PyLong_AsSsize_t"(PyObject* o)
-    PyObject* PyErr_Occurred()
-    void PyErr_Clear()
     PyObject* new_int "PyLong_FromLongLong"(long long value) except NULL
     void list_set_item "PyList_SET_ITEM"(PyObject* lst, Py_ssize_t i, PyObject* item)
     void Py_DECREF(PyObject* o)
+    void Py_INCREF(PyObject* o)
+    void* PyMem_RawCalloc(size_t nelem, size_t elsize)
     PyObject* Py_None
     # itemlist NULL deletes the slice (no list is allocated).
     int PyList_SetSlice(PyObject* lst, Py_ssize_t low, Py_ssize_t high,
                         PyObject* itemlist) except -1
+
+
+cdef extern from "_pylong.h":
+    bint long_is_minus_one "fastbatch_long_is_minus_one"(PyObject* o) noexcept
+    Py_ssize_t long_as_small_index "fastbatch_long_as_small_index"(PyObject* o) noexcept
+
+
+ctypedef fused sampled_t:
+    int32_t
+    int64_t
 
 
 ctypedef struct PlannedUpdate:
@@ -76,9 +85,12 @@ ctypedef struct SampledIds:
 # pointer comparison settles nearly every item; other ints are compared by value.
 cdef object MINUS_ONE = -1
 cdef bint LITTLE_ENDIAN = sys.byteorder == "little"
-cdef object TORCH_INT32 = None    # torch.int32, torch.int64, torch.strided:
-cdef object TORCH_INT64 = None    # looked up once, when a tensor first comes
-cdef object TORCH_STRIDED = None
+cdef object TORCH_INT32 = None    # torch.int32 and torch.int64, looked up
+cdef object TORCH_INT64 = None    # once, when the first tensor comes
+
+# Token ids below this are handed out as shared int objects (see _token_object).
+DEF TOKEN_CACHE_SIZE = 1 << 18
+cdef PyObject** _token_cache = NULL
 
 # Process-wide counters, read with stats(): they let a test, or a user, prove
 # that the fast path really ran and really replaced placeholders.
@@ -111,9 +123,16 @@ def reset_stats():
 cdef inline bint _is_placeholder(PyObject* item, Py_ssize_t request,
                                  Py_ssize_t position) except -1:
     """True if ``item`` is the int -1, False for another int, else TypeError."""
-    cdef int overflow = 0
     if item == <PyObject*>MINUS_ONE:
         return True
+    if PyLong_CheckExact(item):
+        return long_is_minus_one(item)
+    return _is_placeholder_slow(item, request, position)
+
+
+cdef bint _is_placeholder_slow(PyObject* item, Py_ssize_t request,
+                               Py_ssize_t position) except -1:
+    cdef int overflow = 0
     if not PyLong_Check(item):
         raise TypeError(
             f"output_token_ids[{request}][{position}] must be an int, "
@@ -122,17 +141,20 @@ cdef inline bint _is_placeholder(PyObject* item, Py_ssize_t request,
     return PyLong_AsLongLongAndOverflow(item, &overflow) == -1 and overflow == 0
 
 
-cdef Py_ssize_t _as_row(PyObject* req_id, PyObject* prev_index) except -1:
-    """vLLM's ``prev_index`` as a row number: an int >= 0, else a clear error.
+cdef inline Py_ssize_t _as_row(PyObject* req_id, PyObject* prev_index) except -1:
+    """vLLM's ``prev_index`` as a row number: an int >= 0, else a clear error."""
+    cdef Py_ssize_t row = -1
+    if PyLong_CheckExact(prev_index):
+        row = long_as_small_index(prev_index)
+    return row if row >= 0 else _as_row_slow(req_id, prev_index)
+
+
+cdef Py_ssize_t _as_row_slow(PyObject* req_id, PyObject* prev_index) except -1:
+    """The general case of ``_as_row``, with the errors.
 
     (vLLM would wrap a negative index around; that is never what was meant.)
     """
     cdef Py_ssize_t row
-    if PyLong_CheckExact(prev_index):
-        row = PyLong_AsSsize_t_raw(prev_index)
-        if row >= 0:
-            return row
-        PyErr_Clear()  # an OverflowError, if any: reported below
     try:
         row = (<object>prev_index).__index__()
     except AttributeError:
@@ -212,12 +234,11 @@ cdef int _view_buffer(const Py_buffer* buffer, SampledIds* ids) except -1:
 
 cdef int _view_tensor(object tensor, SampledIds* ids) except -1:
     """Fill ``ids`` from a torch CPU tensor, sharing its memory."""
-    global TORCH_INT32, TORCH_INT64, TORCH_STRIDED
+    global TORCH_INT32, TORCH_INT64
     dtype = getattr(tensor, "dtype", None)
     if TORCH_INT64 is None and "torch" in sys.modules:
-        torch = sys.modules["torch"]
-        TORCH_INT32, TORCH_INT64, TORCH_STRIDED = torch.int32, torch.int64, torch.strided
-    if dtype is None or not hasattr(tensor, "data_ptr"):
+        TORCH_INT32, TORCH_INT64 = sys.modules["torch"].int32, sys.modules["torch"].int64
+    if dtype is None:
         raise TypeError(
             "sampled_token_ids must be a 2-D int32 or int64 array or CPU "
             f"tensor, got {type(tensor).__name__}"
@@ -228,50 +249,76 @@ cdef int _view_tensor(object tensor, SampledIds* ids) except -1:
     if not tensor.is_cpu:
         raise TypeError(
             f"sampled_token_ids must be on the CPU, got {tensor.device}")
-    if tensor.layout is not TORCH_STRIDED:
+    try:  # sparse and other storage-less layouts have neither
+        strides = tensor.stride()
+        data = tensor.data_ptr()
+    except RuntimeError:
         raise TypeError(
-            f"sampled_token_ids must be a dense tensor, got {tensor.layout}")
+            f"sampled_token_ids must be a dense tensor, got {tensor.layout}"
+        ) from None
+    if len(strides) != 2:
+        raise TypeError(
+            f"sampled_token_ids must be 2-D, got a {len(strides)}-D tensor")
     shape = tensor.shape
-    if len(shape) != 2:
-        raise TypeError(
-            f"sampled_token_ids must be 2-D, got a {len(shape)}-D tensor")
-    strides = tensor.stride()
     ids.is_int64 = dtype is TORCH_INT64
     itemsize = 8 if ids.is_int64 else 4
-    ids.data = <const char*><size_t>tensor.data_ptr()
+    ids.data = <const char*><size_t>data
     ids.num_rows, ids.width = shape[0], shape[1]
     ids.row_stride, ids.col_stride = strides[0] * itemsize, strides[1] * itemsize
     return 0
 
 
-cdef inline int64_t _sampled_at(const SampledIds* ids, Py_ssize_t row,
-                                Py_ssize_t col) noexcept nogil:
-    cdef const char* at = ids.data + row * ids.row_stride + col * ids.col_stride
-    cdef int64_t value64
-    cdef int32_t value32
-    if ids.is_int64:
-        memcpy(&value64, at, 8)  # memcpy: no alignment assumption
-        return value64
-    memcpy(&value32, at, 4)
-    return value32
+cdef inline sampled_t _id_at(const SampledIds* ids, Py_ssize_t row, Py_ssize_t col,
+                             const sampled_t* dtype) noexcept nogil:
+    """The sampled id at (row, col); ``dtype`` only selects the fused type."""
+    cdef sampled_t value
+    # memcpy: no alignment assumption; compilers emit a single load.
+    memcpy(&value, ids.data + row * ids.row_stride + col * ids.col_stride,
+           sizeof(sampled_t))
+    return value
 
 
 cdef inline Py_ssize_t _num_sampled(const SampledIds* ids, Py_ssize_t row,
-                                    Py_ssize_t width) noexcept nogil:
+                                    Py_ssize_t width, const sampled_t* dtype) noexcept nogil:
     """vLLM's count over the row's first ``width`` ids: ``width``, or the index
     of the first -1 if they end in -1."""
     cdef Py_ssize_t col
-    if _sampled_at(ids, row, width - 1) != -1:
+    if _id_at(ids, row, width - 1, dtype) != -1:
         return width
     for col in range(width):
-        if _sampled_at(ids, row, col) == -1:
+        if _id_at(ids, row, col, dtype) == -1:
             return col
     return width  # not reached: the last id is -1
 
 
+cdef inline PyObject* _token_object(int64_t value) except NULL:
+    """A new reference to the int ``value``.
+
+    Token ids in [0, 2**18) (every common vocabulary) come from a table of
+    shared int objects, filled on first use, as CPython does for -5..256: no
+    allocation per token, and long outputs share objects instead of holding
+    one 28-byte int per token.  Ints are immutable, so sharing them is
+    invisible to vLLM (equal values, as its own ``tolist()`` gives).
+    """
+    global _token_cache
+    cdef PyObject* token
+    if value < 0 or value >= TOKEN_CACHE_SIZE:
+        return new_int(value)
+    if _token_cache == NULL:
+        _token_cache = <PyObject**>PyMem_RawCalloc(TOKEN_CACHE_SIZE, sizeof(PyObject*))
+        if _token_cache == NULL:
+            return new_int(value)
+    token = _token_cache[value]
+    if token == NULL:
+        token = new_int(value)
+        _token_cache[value] = token  # the table keeps this reference
+    Py_INCREF(token)
+    return token
+
+
 cdef Py_ssize_t _apply(list output_token_ids, PlannedUpdate* plans,
                        Py_ssize_t count, const SampledIds* ids,
-                       Py_ssize_t* row_widths) except -1:
+                       Py_ssize_t* row_widths, const sampled_t* dtype) except -1:
     """Pass 2: write the sampled ids over the placeholders, drop the surplus.
 
     ``row_widths`` starts as the full width of every row; like vLLM's
@@ -280,7 +327,7 @@ cdef Py_ssize_t _apply(list output_token_ids, PlannedUpdate* plans,
     """
     global _requests_updated, _tokens_written, _placeholders_dropped
     cdef Py_ssize_t p, col, row, width, start, num_placeholders, num_to_write
-    cdef Py_ssize_t updated = 0
+    cdef Py_ssize_t updated = 0, written = 0, dropped = 0
     cdef PyObject* token_ids
     cdef PyObject* old
     for p in range(count):
@@ -300,7 +347,7 @@ cdef Py_ssize_t _apply(list output_token_ids, PlannedUpdate* plans,
             )
         start = plans[p].first_placeholder
         num_placeholders = plans[p].list_size - start
-        num_to_write = _num_sampled(ids, row, width)
+        num_to_write = _num_sampled(ids, row, width, dtype)
         if num_to_write > num_placeholders:
             num_to_write = num_placeholders
         row_widths[row] = num_to_write
@@ -308,15 +355,17 @@ cdef Py_ssize_t _apply(list output_token_ids, PlannedUpdate* plans,
             # The slot holds an int placeholder: releasing it runs no Python.
             old = PyList_GET_ITEM(<object>token_ids, start + col)
             list_set_item(token_ids, start + col,
-                          new_int(_sampled_at(ids, row, col)))
+                          _token_object(_id_at(ids, row, col, dtype)))
             Py_DECREF(old)
         if num_to_write < num_placeholders:
             PyList_SetSlice(token_ids, start + num_to_write, plans[p].list_size,
                             NULL)
-            _placeholders_dropped += num_placeholders - num_to_write
+            dropped += num_placeholders - num_to_write
         updated += 1
-        _tokens_written += num_to_write
+        written += num_to_write
     _requests_updated += updated
+    _tokens_written += written
+    _placeholders_dropped += dropped
     return updated
 
 
@@ -392,7 +441,11 @@ def update_async_output_token_ids(list req_ids not None,
         if synchronize is not None:
             synchronize()
             _syncs += 1
-        return _apply(output_token_ids, plans, count, &ids, row_widths)
+        if ids.is_int64:
+            return _apply(output_token_ids, plans, count, &ids, row_widths,
+                          <const int64_t*>NULL)
+        return _apply(output_token_ids, plans, count, &ids, row_widths,
+                      <const int32_t*>NULL)
     finally:
         if have_buffer:
             PyBuffer_Release(&buffer)

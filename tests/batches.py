@@ -23,6 +23,19 @@ except ImportError:  # pragma: no cover - depends on the environment
 # -1 drawn often, so that trailing runs, padded rows and -1 in the middle of a
 # list all show up; 2**31 - 1 is the largest id int32 rows can hold.
 TOKEN_IDS = st.sampled_from([-1, -1, -1, 0, 1, 2, 7, 50_000, 2**31 - 1])
+# Output lists may also hold ints the kernel's inline fast paths do not cover:
+# negative, multi-digit, bool, and an int subclass (equal to -1 or not).
+
+
+class Token(int):
+    """An int subclass: exercises the kernel's general (non-exact int) path."""
+
+
+SMALL_ODD_ITEMS = [-2, True, False, Token(-1), Token(5)]
+OUTPUT_ITEMS = st.one_of(TOKEN_IDS, TOKEN_IDS,
+                         st.sampled_from([*SMALL_ODD_ITEMS, 2**70, -(2**70)]))
+# A real InputBatch copies outputs into an int32 tensor: no multi-digit ints.
+INT32_OUTPUT_ITEMS = st.one_of(TOKEN_IDS, TOKEN_IDS, st.sampled_from(SMALL_ODD_ITEMS))
 DTYPES = ("int64", "int32")
 LAYOUTS = ("C", "F", "strided", "reversed")
 
@@ -98,7 +111,7 @@ def sampled_rows(draw, width: int) -> list[int]:
 
 @st.composite
 def batches(draw, max_reqs: int = 10, max_width: int = 6, max_prefix: int = 8,
-            torch_allowed: bool = True) -> Batch:
+            torch_allowed: bool = True, output_items=OUTPUT_ITEMS) -> Batch:
     """A valid batch covering every case vLLM's method handles."""
     num_reqs = draw(st.integers(0, max_reqs))
     req_ids: list[str | None] = []
@@ -109,9 +122,9 @@ def batches(draw, max_reqs: int = 10, max_width: int = 6, max_prefix: int = 8,
             output_token_ids.append(None)
             continue
         req_ids.append(f"req-{i}")
-        prefix = draw(st.lists(TOKEN_IDS, max_size=max_prefix))
-        placeholders = draw(st.integers(0, 6))
-        output_token_ids.append(prefix + [-1] * placeholders)
+        prefix = draw(st.lists(output_items, max_size=max_prefix))
+        placeholder = draw(st.sampled_from([-1, -1, -1, Token(-1)]))
+        output_token_ids.append(prefix + [placeholder] * draw(st.integers(0, 6)))
 
     live = [r for r in req_ids if r is not None]
     mapped = draw(st.lists(st.sampled_from(live), unique=True)) if live else []
@@ -121,7 +134,10 @@ def batches(draw, max_reqs: int = 10, max_width: int = 6, max_prefix: int = 8,
                              min_size=len(mapped), max_size=len(mapped)))
     else:
         rows = list(draw(st.permutations(range(num_rows))))[:len(mapped)]
-    prev_req_id_to_index: dict[str, int] = dict(zip(mapped, rows, strict=True))
+    # Rows as vLLM stores them (int), or as other index-like objects.
+    as_index = st.sampled_from([int, int, int, np.int64, Token])
+    prev_req_id_to_index: dict[str, int] = {
+        req_id: draw(as_index)(row) for req_id, row in zip(mapped, rows, strict=True)}
     for k in range(draw(st.integers(0, 2))):  # finished requests still mapped
         prev_req_id_to_index[f"finished-{k}"] = draw(st.integers(0, 50))
 

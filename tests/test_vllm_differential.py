@@ -12,7 +12,7 @@ import os
 import pytest
 from hypothesis import given, note, settings
 
-from batches import Batch, CountingEvent, batches
+from batches import INT32_OUTPUT_ITEMS, Batch, CountingEvent, batches
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM is imported
 pytestmark = pytest.mark.vllm
@@ -25,6 +25,7 @@ import fastbatch  # noqa: E402
 from fastbatch.patches import gpu_input_batch as patch  # noqa: E402
 
 MAX_REQS = 10
+vllm_batches = batches(max_reqs=MAX_REQS, torch_allowed=False, output_items=INT32_OUTPUT_ITEMS)
 
 
 def _real_input_batch(batch: Batch):
@@ -102,7 +103,7 @@ def _check_against_stock(batch, update_ours):
 
 
 @settings(max_examples=EXAMPLES)
-@given(batch=batches(max_reqs=MAX_REQS, torch_allowed=False))
+@given(batch=vllm_batches)
 def test_kernel_matches_real_input_batch(implementation, batch):
     _check_against_stock(batch, lambda ours: implementation.update_async_output_token_ids(
         ours.req_ids, ours.prev_req_id_to_index, ours.sampling_metadata.output_token_ids,
@@ -110,12 +111,12 @@ def test_kernel_matches_real_input_batch(implementation, batch):
 
 
 @settings(max_examples=EXAMPLES)
-@given(batch=batches(max_reqs=MAX_REQS, torch_allowed=False))
+@given(batch=vllm_batches)
 def test_patched_method_matches_real_input_batch(patched_method, batch):
     _check_against_stock(batch, patched_method)
 
 
-@given(batch=batches(max_reqs=MAX_REQS, torch_allowed=False))
+@given(batch=vllm_batches)
 def test_kernel_reads_int32_and_int64_torch_tensors_zero_copy(batch):
     """The kernel views torch CPU tensors in place, strided ones included."""
     for layout in ("C", "F", "strided"):

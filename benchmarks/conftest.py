@@ -1,0 +1,41 @@
+"""Benchmark fixtures: the compiled floor kernel and one grid state at a time."""
+
+import warnings
+
+import pytest
+
+# Warnings are errors, but the import-time deprecation noise of torch,
+# transformers and vLLM is not ours to fix: import them quietly first.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import states  # noqa: F401
+
+
+@pytest.fixture(scope="session")
+def floor_update():
+    """benchmarks/floor.pyx, compiled on first use with the interpreter's flags."""
+    import pyximport
+
+    importers = pyximport.install(language_level=3, inplace=False)
+    try:
+        from floor import floor_update
+    finally:
+        pyximport.uninstall(*importers)
+    return floor_update
+
+
+@pytest.fixture(scope="session")
+def grid_state():
+    """``grid_state(cell)``: the State of ``cell``, built once; the previous
+    cell's State is dropped (the large ones hold gigabytes)."""
+    from states import State
+
+    current = {}
+
+    def get(cell):
+        if cell not in current:
+            current.clear()
+            current[cell] = State(cell)
+        return current[cell]
+
+    return get
