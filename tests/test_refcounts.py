@@ -19,12 +19,13 @@ NUM_REQS = 64
 CALLS = 3000
 
 
-def _state(spec_decode: bool):
+def _state(spec_decode: bool, first_id: int = 100_000):
     req_ids = [f"r{i}" for i in range(NUM_REQS)]
     prev = {req_id: NUM_REQS - 1 - i for i, req_id in enumerate(req_ids)}
     width = 5 if spec_decode else 1
-    # Ids far above the small-int cache: every written id is a new int object.
-    sampled = np.arange(100_000, 100_000 + NUM_REQS * width, dtype=np.int64)
+    # Ids above CPython's small ints: below 2**18 the kernel hands out shared
+    # int objects, above it every written id is a new int object.
+    sampled = np.arange(first_id, first_id + NUM_REQS * width, dtype=np.int64)
     sampled = sampled.reshape(NUM_REQS, width).copy()
     if spec_decode:
         sampled[::2, 3:] = -1  # rejected drafts on every other row
@@ -39,9 +40,10 @@ def _reset(outputs, placeholders):
 
 
 
+@pytest.mark.parametrize("first_id", [100_000, 2**18 + 1], ids=["shared-ids", "new-ids"])
 @pytest.mark.parametrize("spec_decode", [False, True], ids=["decode", "spec-decode"])
-def test_no_leak_on_success(spec_decode):
-    req_ids, prev, outputs, sampled = _state(spec_decode)
+def test_no_leak_on_success(spec_decode, first_id):
+    req_ids, prev, outputs, sampled = _state(spec_decode, first_id)
     event = CountingEvent()
     placeholders = 5 if spec_decode else 1
 
@@ -51,7 +53,9 @@ def test_no_leak_on_success(spec_decode):
 
     for _ in range(200):  # warm up caches and free lists
         step()
-    watched = [req_ids, prev, sampled, event, *req_ids, *outputs]
+    token = outputs[0][3]  # a written id: shared ones must not gain references
+    step()  # the list now holds the same shared id again, or a new one
+    watched = [req_ids, prev, sampled, event, token, *req_ids, *outputs]
     refcounts = [sys.getrefcount(obj) for obj in watched]
     gc.collect()
     objects = len(gc.get_objects())
