@@ -28,7 +28,7 @@ loop.
 
 from cpython.buffer cimport PyBUF_RECORDS_RO, PyBuffer_Release, PyObject_GetBuffer
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
-from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from cpython.object cimport PyObject
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.string cimport memcpy
@@ -384,6 +384,38 @@ cdef object _resolve_sync(object copy_ready):
     )
 
 
+ctypedef struct Scratch:
+    PlannedUpdate* plans
+    Py_ssize_t plans_capacity
+    Py_ssize_t* row_widths
+    Py_ssize_t row_widths_capacity
+
+
+# Working memory kept between calls: a fresh malloc of a big batch's plans
+# (128 KiB at 4096 requests) is served by mmap, page faults and all, every
+# step.  A call re-entered from the synchronize callback uses its own.
+cdef Scratch _scratch = Scratch(NULL, 0, NULL, 0)
+cdef bint _scratch_in_use = False
+
+
+cdef int _reserve(Scratch* scratch, Py_ssize_t num_plans,
+                  Py_ssize_t num_rows) except -1:
+    """Grow the scratch buffers to hold ``num_plans`` plans, ``num_rows`` rows."""
+    cdef void* grown
+    if num_plans > scratch.plans_capacity:
+        grown = PyMem_Realloc(scratch.plans, num_plans * sizeof(PlannedUpdate))
+        if grown == NULL:
+            raise MemoryError()
+        scratch.plans, scratch.plans_capacity = <PlannedUpdate*>grown, num_plans
+    if num_rows > scratch.row_widths_capacity:
+        grown = PyMem_Realloc(scratch.row_widths, num_rows * sizeof(Py_ssize_t))
+        if grown == NULL:
+            raise MemoryError()
+        scratch.row_widths = <Py_ssize_t*>grown
+        scratch.row_widths_capacity = num_rows
+    return 0
+
+
 def update_async_output_token_ids(list req_ids not None,
                                   dict prev_req_id_to_index not None,
                                   list output_token_ids not None,
@@ -396,14 +428,8 @@ def update_async_output_token_ids(list req_ids not None,
     ``fastbatch._reference`` for the rules in plain Python and the README for
     the input contract.  Returns the number of requests whose list was updated.
     """
-    global _calls, _syncs
+    global _calls, _syncs, _scratch_in_use
     cdef Py_ssize_t num_reqs = PyList_GET_SIZE(req_ids)
-    cdef Py_ssize_t count, p, row
-    cdef PlannedUpdate* plans = NULL
-    cdef Py_ssize_t* row_widths = NULL
-    cdef SampledIds ids
-    cdef Py_buffer buffer
-    cdef bint have_buffer = False
     if PyList_GET_SIZE(output_token_ids) != num_reqs:
         raise IndexError(
             f"output_token_ids has {PyList_GET_SIZE(output_token_ids)} entries "
@@ -413,41 +439,59 @@ def update_async_output_token_ids(list req_ids not None,
     _calls += 1
     if num_reqs == 0:
         return 0
-    plans = <PlannedUpdate*>PyMem_Malloc(num_reqs * sizeof(PlannedUpdate))
-    if plans == NULL:
-        raise MemoryError()
+    cdef Scratch own = Scratch(NULL, 0, NULL, 0)
+    if _scratch_in_use:
+        return _update(req_ids, prev_req_id_to_index, output_token_ids,
+                       sampled_token_ids, synchronize, &own)
+    _scratch_in_use = True
     try:
-        count = _plan(req_ids, prev_req_id_to_index, output_token_ids, plans)
-        if count == 0:
-            return 0  # vLLM neither synchronises nor reads the sampled ids
-        if PyObject_CheckBuffer(sampled_token_ids):
-            PyObject_GetBuffer(sampled_token_ids, &buffer, PyBUF_RECORDS_RO)
-            have_buffer = True
+        return _update(req_ids, prev_req_id_to_index, output_token_ids,
+                       sampled_token_ids, synchronize, &_scratch)
+    finally:
+        _scratch_in_use = False
+        PyMem_Free(own.plans)
+        PyMem_Free(own.row_widths)
+
+
+cdef Py_ssize_t _update(list req_ids, dict prev_req_id_to_index,
+                        list output_token_ids, object sampled_token_ids,
+                        object synchronize, Scratch* scratch) except -1:
+    """Plan, check the sampled ids, synchronise, apply; see the module doc."""
+    global _syncs
+    cdef Py_ssize_t count, p, row
+    cdef SampledIds ids
+    cdef Py_buffer buffer
+    cdef bint have_buffer = False
+    _reserve(scratch, PyList_GET_SIZE(req_ids), 0)
+    count = _plan(req_ids, prev_req_id_to_index, output_token_ids, scratch.plans)
+    if count == 0:
+        return 0  # vLLM neither synchronises nor reads the sampled ids
+    if PyObject_CheckBuffer(sampled_token_ids):
+        PyObject_GetBuffer(sampled_token_ids, &buffer, PyBUF_RECORDS_RO)
+        have_buffer = True
+    try:
+        if have_buffer:
             _view_buffer(&buffer, &ids)
         else:
             _view_tensor(sampled_token_ids, &ids)
         for p in range(count):
-            if plans[p].row >= ids.num_rows:
+            if scratch.plans[p].row >= ids.num_rows:
                 raise IndexError(
-                    f"prev_req_id_to_index[{req_ids[plans[p].index]!r}] = "
-                    f"{plans[p].row} is out of range for {ids.num_rows} "
+                    f"prev_req_id_to_index[{req_ids[scratch.plans[p].index]!r}] = "
+                    f"{scratch.plans[p].row} is out of range for {ids.num_rows} "
                     "sampled rows"
                 )
-        row_widths = <Py_ssize_t*>PyMem_Malloc(ids.num_rows * sizeof(Py_ssize_t))
-        if row_widths == NULL:
-            raise MemoryError()
+        _reserve(scratch, 0, ids.num_rows)
         for row in range(ids.num_rows):
-            row_widths[row] = ids.width
+            scratch.row_widths[row] = ids.width
         if synchronize is not None:
             synchronize()
             _syncs += 1
         if ids.is_int64:
-            return _apply(output_token_ids, plans, count, &ids, row_widths,
-                          <const int64_t*>NULL)
-        return _apply(output_token_ids, plans, count, &ids, row_widths,
-                      <const int32_t*>NULL)
+            return _apply(output_token_ids, scratch.plans, count, &ids,
+                          scratch.row_widths, <const int64_t*>NULL)
+        return _apply(output_token_ids, scratch.plans, count, &ids,
+                      scratch.row_widths, <const int32_t*>NULL)
     finally:
         if have_buffer:
             PyBuffer_Release(&buffer)
-        PyMem_Free(row_widths)
-        PyMem_Free(plans)

@@ -144,3 +144,20 @@ def test_large_batch_long_outputs(implementation):
     vllm_0_33_loop(req_ids, prev, expected, sampled, CountingEvent())
     implementation.update_async_output_token_ids(req_ids, prev, outputs, sampled)
     assert outputs == expected
+
+
+def test_reentrant_call_from_synchronize(implementation):
+    """A synchronize callback that runs another update (its own working memory)."""
+    import numpy as np
+
+    inner_outputs = [[9, -1, -1]]
+
+    def synchronize():
+        implementation.update_async_output_token_ids(
+            ["x"], {"x": 0}, inner_outputs, np.array([[70, 71]], np.int64))
+
+    outputs = [[1, -1], [2, -1]]
+    implementation.update_async_output_token_ids(
+        ["a", "b"], {"a": 1, "b": 0}, outputs, np.array([[10], [20]], np.int32), synchronize)
+    assert outputs == [[1, 20], [2, 10]]
+    assert inner_outputs == [[9, 70, 71]]
