@@ -69,10 +69,12 @@ def check_targets(cells: dict, grid_seconds: float) -> list[dict]:
                     for length in (100, 4000, 60000))
         add(f"decode: fastbatch / floor at {n} requests (worst length)", worst, "<= 1.3",
             worst <= 1.3)
-    worst_flat = max(fb(mode, n, 60000) / fb(mode, n, 100)
-                     for mode in ("decode", "spec") for n in (1, 64, 256, 1024, 4096))
-    add("fastbatch at 60000 / at 100 tokens (worst cell)", worst_flat, "<= 1.2",
-        worst_flat <= 1.2)
+    for n in (1, 64, 256, 1024, 4096):
+        flat = max(fb(mode, n, 60000) / fb(mode, n, 100) for mode in ("decode", "spec"))
+        floor_flat = (cells[("decode", n, 60000)]["floor"]
+                      / cells[("decode", n, 100)]["floor"])
+        add(f"fastbatch at 60000 / at 100 tokens, {n} requests (floor: {floor_flat:.2f})",
+            flat, "<= 1.2", flat <= 1.2)
     worst_small = min(ratio(mode, 1, length, "stock")
                       for mode in ("decode", "spec") for length in (100, 4000, 60000))
     add("stock / fastbatch at 1 request (worst cell)", worst_small, ">= 1", worst_small >= 1)
@@ -154,8 +156,9 @@ def main() -> None:
     for target in targets:
         print(f"  {'met   ' if target['met'] else 'MISSED'} {target['target']}: "
               f"{target['measured']} (goal {target['goal']})")
-    import fastbatch
     import vllm
+
+    import fastbatch
 
     machine_line = (f"{machine['cpu'].get('brand_raw', '?')}, {machine['cpu'].get('count')} "
                     f"cores, Python {platform.python_version()}, vLLM {vllm.__version__}, "

@@ -238,9 +238,11 @@ def test_activation_check_refuses_a_wrong_kernel(monkeypatch, logs, broken):
 def test_revert_restores_the_original(monkeypatch):
     monkeypatch.setenv("FASTBATCH", "1")
     vllm_plugin.register()
+    assert vllm_plugin.status()["installed"] is True
     patch.revert()
     assert InputBatch.update_async_output_token_ids is STOCK_METHOD
     assert patch.original() is None
+    assert vllm_plugin.status()["installed"] is False
 
 
 def test_patched_method_counts_its_work(monkeypatch):

@@ -72,9 +72,9 @@ def original() -> Any:
 
 
 def is_applied() -> bool:
-    from vllm.v1.worker.gpu_input_batch import InputBatch
-
-    return getattr(InputBatch.update_async_output_token_ids, "__fastbatch__", False)
+    """True while the patch is applied in this process (even if something else,
+    a profiler say, has wrapped the method since)."""
+    return _original is not None
 
 
 def check_target(vllm_version: str, method: Any) -> str | None:
