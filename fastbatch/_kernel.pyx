@@ -89,7 +89,8 @@ cdef object TORCH_INT32 = None    # torch.int32 and torch.int64, looked up
 cdef object TORCH_INT64 = None    # once, when the first tensor comes
 
 # Token ids below this are handed out as shared int objects (see _token_object).
-DEF TOKEN_CACHE_SIZE = 1 << 18
+cdef enum:
+    TOKEN_CACHE_SIZE = 1 << 18
 cdef PyObject** _token_cache = NULL
 
 # Process-wide counters, read with stats(): they let a test, or a user, prove
@@ -271,7 +272,7 @@ cdef int _view_tensor(object tensor, SampledIds* ids) except -1:
 cdef inline sampled_t _id_at(const SampledIds* ids, Py_ssize_t row, Py_ssize_t col,
                              const sampled_t* dtype) noexcept nogil:
     """The sampled id at (row, col); ``dtype`` only selects the fused type."""
-    cdef sampled_t value
+    cdef sampled_t value = 0
     # memcpy: no alignment assumption; compilers emit a single load.
     memcpy(&value, ids.data + row * ids.row_stride + col * ids.col_stride,
            sizeof(sampled_t))
