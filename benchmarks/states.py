@@ -18,6 +18,7 @@ import torch
 from vllm.sampling_params import SamplingParams
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
+from batches import vllm_0_21_method
 from fastbatch import _reference
 from fastbatch.patches import gpu_input_batch as patch
 
@@ -107,34 +108,6 @@ class State:
         return [token_ids[base - 1:] for token_ids in self.batch.req_output_token_ids]
 
 
-def forward_scan_method(self) -> None:
-    """vLLM <= 0.21.0's algorithm: the placeholder start found by a forward
-    ``list.index(-1)``, O(output length) per request (vLLM PR #42938)."""
-    output_token_ids = self.sampling_metadata.output_token_ids
-    if self.sampled_token_ids_cpu is None or not output_token_ids:
-        return
-    sampled_token_ids = None
-    for index, req_id in enumerate(self.req_ids):
-        prev_index = self.prev_req_id_to_index.get(req_id)
-        if prev_index is None:
-            continue
-        req_output_token_ids = output_token_ids[index]
-        if not req_output_token_ids or req_output_token_ids[-1] != -1:
-            continue
-        if sampled_token_ids is None:
-            self.async_copy_ready_event.synchronize()
-            sampled_token_ids = self.sampled_token_ids_cpu.tolist()
-        new_ids = sampled_token_ids[prev_index]
-        if not new_ids:
-            continue
-        num_sampled_ids = len(new_ids) if new_ids[-1] != -1 else new_ids.index(-1)
-        first_placeholder = req_output_token_ids.index(-1)
-        num_placeholders = len(req_output_token_ids) - first_placeholder
-        num_to_replace = min(num_sampled_ids, num_placeholders)
-        del new_ids[num_to_replace:]
-        req_output_token_ids[first_placeholder:] = new_ids
-
-
 def fallback_method(self) -> None:
     """fastbatch's method with the pure-Python fallback in place of the kernel."""
     output_token_ids = self.sampling_metadata.output_token_ids
@@ -161,7 +134,7 @@ def variants(floor_update) -> dict[str, object]:
     """Each variant as an unbound method of InputBatch."""
     return {
         "stock": STOCK_METHOD,
-        "forward_scan": forward_scan_method,
+        "forward_scan": vllm_0_21_method,
         "fastbatch": patch.update_async_output_token_ids,
         "fallback": fallback_method,
         "floor": floor_method(floor_update),

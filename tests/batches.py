@@ -182,3 +182,33 @@ def vllm_0_33_loop(req_ids, prev_req_id_to_index, output_token_ids,
         num_to_replace = min(num_sampled_ids, num_placeholders)
         del new_ids[num_to_replace:]
         req_output_token_ids[first_placeholder:] = new_ids
+
+
+def vllm_0_21_method(self) -> None:
+    """vLLM 0.21.0's method (Apache-2.0), as a function of the batch: the
+    placeholder start is found by a forward ``list.index(-1)``, O(output
+    length) per request (vLLM PR #42938).  A baseline for the benchmarks and
+    a "changed target" for the plugin's guard."""
+    output_token_ids = self.sampling_metadata.output_token_ids
+    if self.sampled_token_ids_cpu is None or not output_token_ids:
+        return
+    sampled_token_ids = None
+    for index, req_id in enumerate(self.req_ids):
+        prev_index = self.prev_req_id_to_index.get(req_id)
+        if prev_index is None:
+            continue
+        req_output_token_ids = output_token_ids[index]
+        if not req_output_token_ids or req_output_token_ids[-1] != -1:
+            continue
+        if sampled_token_ids is None:
+            self.async_copy_ready_event.synchronize()
+            sampled_token_ids = self.sampled_token_ids_cpu.tolist()
+        new_ids = sampled_token_ids[prev_index]
+        if not new_ids:
+            continue
+        num_sampled_ids = len(new_ids) if new_ids[-1] != -1 else new_ids.index(-1)
+        first_placeholder = req_output_token_ids.index(-1)
+        num_placeholders = len(req_output_token_ids) - first_placeholder
+        num_to_replace = min(num_sampled_ids, num_placeholders)
+        del new_ids[num_to_replace:]
+        req_output_token_ids[first_placeholder:] = new_ids

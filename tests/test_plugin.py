@@ -15,6 +15,7 @@ import torch
 from vllm.v1.worker.gpu_input_batch import InputBatch
 
 import fastbatch
+from batches import vllm_0_21_method
 from fastbatch import vllm_plugin
 from fastbatch.patches import gpu_input_batch as patch
 
@@ -143,38 +144,11 @@ def test_guard_accepts_the_installed_vllm():
     assert patch.check_target(vllm.__version__, STOCK_METHOD) is None
 
 
-def _forward_scan_variant(self):
-    """vLLM 0.21.0's method (forward list.index(-1)): a changed target."""
-    output_token_ids = self.sampling_metadata.output_token_ids
-    if self.sampled_token_ids_cpu is None or not output_token_ids:
-        return
-    sampled_token_ids = None
-    for index, req_id in enumerate(self.req_ids):
-        prev_index = self.prev_req_id_to_index.get(req_id)
-        if prev_index is None:
-            continue
-        req_output_token_ids = output_token_ids[index]
-        if not req_output_token_ids or req_output_token_ids[-1] != -1:
-            continue
-        if sampled_token_ids is None:
-            self.async_copy_ready_event.synchronize()
-            sampled_token_ids = self.sampled_token_ids_cpu.tolist()
-        new_ids = sampled_token_ids[prev_index]
-        if not new_ids:
-            continue
-        num_sampled_ids = len(new_ids) if new_ids[-1] != -1 else new_ids.index(-1)
-        first_placeholder = req_output_token_ids.index(-1)
-        num_placeholders = len(req_output_token_ids) - first_placeholder
-        num_to_replace = min(num_sampled_ids, num_placeholders)
-        del new_ids[num_to_replace:]
-        req_output_token_ids[first_placeholder:] = new_ids
-
-
 def test_guard_refuses_a_changed_method(monkeypatch, logs):
-    monkeypatch.setattr(InputBatch, "update_async_output_token_ids", _forward_scan_variant)
+    monkeypatch.setattr(InputBatch, "update_async_output_token_ids", vllm_0_21_method)
     monkeypatch.setenv("FASTBATCH", "1")
     vllm_plugin.register()
-    assert InputBatch.update_async_output_token_ids is _forward_scan_variant
+    assert InputBatch.update_async_output_token_ids is vllm_0_21_method
     (warning,) = logs.at(logging.WARNING)
     assert "not a verified variant" in warning and "FASTBATCH=force" in warning
 
@@ -210,10 +184,10 @@ def test_force_patches_an_unknown_version(monkeypatch, logs):
 
 def test_force_still_needs_the_activation_check(monkeypatch, logs):
     """The 0.21 forward scan disagrees with fastbatch on the synthetic batch."""
-    monkeypatch.setattr(InputBatch, "update_async_output_token_ids", _forward_scan_variant)
+    monkeypatch.setattr(InputBatch, "update_async_output_token_ids", vllm_0_21_method)
     monkeypatch.setenv("FASTBATCH", "force")
     vllm_plugin.register()
-    assert InputBatch.update_async_output_token_ids is _forward_scan_variant
+    assert InputBatch.update_async_output_token_ids is vllm_0_21_method
     (error,) = logs.at(logging.ERROR)
     assert "activation check failed" in error
 
