@@ -4,6 +4,7 @@ No vLLM needed: the oracle is ``batches.vllm_0_33_loop``, vLLM's loop body
 transcribed; ``test_vllm_differential.py`` repeats this against the real class.
 """
 
+import numpy as np
 from hypothesis import given, note
 from hypothesis import strategies as st
 
@@ -77,8 +78,6 @@ def test_worked_example(implementation):
         [-1, -1, -1],
         [40, 41, 42],
     ]
-    import numpy as np
-
     event = CountingEvent()
     updated = implementation.update_async_output_token_ids(
         req_ids, prev, outputs, np.array(sampled, dtype=np.int32), event)
@@ -106,8 +105,6 @@ def test_nothing_needed_neither_syncs_nor_reads_sampled(implementation):
 
 
 def test_zero_width_rows_sync_but_change_nothing(implementation):
-    import numpy as np
-
     event = CountingEvent()
     outputs = [[1, -1]]
     result = implementation.update_async_output_token_ids(
@@ -116,8 +113,6 @@ def test_zero_width_rows_sync_but_change_nothing(implementation):
 
 
 def test_copy_ready_none_means_already_copied(implementation):
-    import numpy as np
-
     outputs = [[1, -1]]
     implementation.update_async_output_token_ids(
         ["a"], {"a": 0}, outputs, np.array([[9]]), None)
@@ -126,8 +121,6 @@ def test_copy_ready_none_means_already_copied(implementation):
 
 def test_large_batch_long_outputs(implementation):
     """A realistic step: 512 requests x 3000 tokens, spec decode with 4 drafts."""
-    import numpy as np
-
     rng = np.random.default_rng(0)
     num_reqs, drafts = 512, 4
     req_ids = [f"r{i}" for i in range(num_reqs)]
@@ -148,8 +141,6 @@ def test_large_batch_long_outputs(implementation):
 
 def test_reentrant_call_from_synchronize(implementation):
     """A synchronize callback that runs another update (its own working memory)."""
-    import numpy as np
-
     inner_outputs = [[9, -1, -1]]
 
     def synchronize():
