@@ -44,6 +44,7 @@ setup(
     ext_modules=cythonize(
         extensions,
         compiler_directives=COMPILER_DIRECTIVES,
+        force=DEBUG,  # the C file may come from a build with other directives
         annotate=os.environ.get("FASTBATCH_ANNOTATE", "0") == "1",
     )
 )

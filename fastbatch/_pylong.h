@@ -10,6 +10,9 @@
 #define FASTBATCH_PYLONG_H
 
 #include <Python.h>
+#if PY_VERSION_HEX < 0x030B0000
+#include <longintrepr.h> /* PyLongObject's digits: Python.h has them from 3.11 */
+#endif
 
 /* 1 if the int object `o` equals -1, else 0 (never raises). */
 static inline int fastbatch_long_is_minus_one(PyObject *o)
