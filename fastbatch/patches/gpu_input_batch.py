@@ -142,9 +142,9 @@ def apply(force: bool = False) -> bool:
     import vllm
     from vllm.v1.worker.gpu_input_batch import InputBatch
 
-    method = getattr(InputBatch, "update_async_output_token_ids", None)
-    if getattr(method, "__fastbatch__", False):
+    if _original is not None:
         return True  # already applied in this process
+    method = getattr(InputBatch, "update_async_output_token_ids", None)
     problem = check_target(vllm.__version__, method)
     if problem is not None:
         if not force:
