@@ -27,7 +27,7 @@ loop.
 """
 
 from cpython.buffer cimport PyBUF_RECORDS_RO, PyBuffer_Release, PyObject_GetBuffer
-from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New
 from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from cpython.object cimport PyObject
 from libc.stdint cimport int32_t, int64_t, uint64_t
@@ -44,12 +44,13 @@ cdef extern from "Python.h":
     bint PyLong_CheckExact(PyObject* o)
     bint PyObject_CheckBuffer(object o)
     long long PyLong_AsLongLongAndOverflow(PyObject* o, int* overflow) except? -1
-    PyObject* new_int "PyLong_FromLongLong"(long long value) except NULL
+    PyObject* new_int "PyLong_FromLongLong"(long long value)
     void list_set_item "PyList_SET_ITEM"(PyObject* lst, Py_ssize_t i, PyObject* item)
     void Py_DECREF(PyObject* o)
     void Py_INCREF(PyObject* o)
     void* PyMem_RawCalloc(size_t nelem, size_t elsize)
     PyObject* Py_None
+    void Py_SET_SIZE(PyObject* o, Py_ssize_t size)
     # itemlist NULL deletes the slice (no list is allocated).
     int PyList_SetSlice(PyObject* lst, Py_ssize_t low, Py_ssize_t high,
                         PyObject* itemlist) except -1
@@ -292,8 +293,8 @@ cdef inline Py_ssize_t _num_sampled(const SampledIds* ids, Py_ssize_t row,
     return width  # not reached: the last id is -1
 
 
-cdef inline PyObject* _token_object(int64_t value) except NULL:
-    """A new reference to the int ``value``.
+cdef inline PyObject* _token_object(int64_t value) noexcept:
+    """A new reference to the int ``value`` (NULL, with MemoryError set, on failure).
 
     Token ids in [0, 2**18) (every common vocabulary) come from a table of
     shared int objects, filled on first use, as CPython does for -5..256: no
@@ -312,9 +313,64 @@ cdef inline PyObject* _token_object(int64_t value) except NULL:
     token = _token_cache[value]
     if token == NULL:
         token = new_int(value)
+        if token == NULL:
+            return NULL
         _token_cache[value] = token  # the table keeps this reference
     Py_INCREF(token)
     return token
+
+
+cdef enum:
+    MAX_INLINE_TAIL = 16  # placeholders replaced without allocating a list
+
+
+cdef inline int _replace_tail(PyObject* token_ids, Py_ssize_t start, Py_ssize_t size,
+                              Py_ssize_t num_to_write, const SampledIds* ids,
+                              Py_ssize_t row, const sampled_t* dtype) except -1:
+    """``token_ids[start:] = <the row's first num_to_write ids>``, as vLLM does it.
+
+    Like CPython's slice assignment, the list reaches its final state before
+    any replaced placeholder is released (releasing one may run Python code).
+    Up to MAX_INLINE_TAIL placeholders this is done in place: the replaced
+    items set aside on the stack, the ids stored, the size cut (keeping the
+    allocation: vLLM appends again next step).  Longer tails take the general
+    ``PyList_SetSlice``.
+    """
+    cdef PyObject* replaced[MAX_INLINE_TAIL]
+    cdef PyObject* token
+    cdef Py_ssize_t i, col, count = size - start
+    if count > MAX_INLINE_TAIL:
+        return _replace_tail_general(token_ids, start, size, num_to_write, ids, row,
+                                     dtype)
+    for col in range(num_to_write):
+        token = _token_object(_id_at(ids, row, col, dtype))
+        if token == NULL:  # the slots written so far hold new ids: release theirs
+            for i in range(col):
+                Py_DECREF(replaced[i])
+            return -1
+        replaced[col] = PyList_GET_ITEM(<object>token_ids, start + col)
+        list_set_item(token_ids, start + col, token)
+    for i in range(num_to_write, count):
+        replaced[i] = PyList_GET_ITEM(<object>token_ids, start + i)
+    Py_SET_SIZE(token_ids, start + num_to_write)
+    for i in range(count):
+        Py_DECREF(replaced[i])
+    return 0
+
+
+cdef int _replace_tail_general(PyObject* token_ids, Py_ssize_t start, Py_ssize_t size,
+                               Py_ssize_t num_to_write, const SampledIds* ids,
+                               Py_ssize_t row, const sampled_t* dtype) except -1:
+    """``_replace_tail`` through a new list and ``PyList_SetSlice``."""
+    cdef list new_ids = PyList_New(num_to_write)
+    cdef PyObject* token
+    cdef Py_ssize_t col
+    for col in range(num_to_write):
+        token = _token_object(_id_at(ids, row, col, dtype))
+        if token == NULL:
+            return -1  # new_ids, freed, skips its unfilled slots
+        list_set_item(<PyObject*>new_ids, col, token)
+    return PyList_SetSlice(token_ids, start, size, <PyObject*>new_ids)
 
 
 cdef Py_ssize_t _apply(list output_token_ids, PlannedUpdate* plans,
@@ -327,10 +383,11 @@ cdef Py_ssize_t _apply(list output_token_ids, PlannedUpdate* plans,
     any later request mapped to the same row.  Returns the requests updated.
     """
     global _requests_updated, _tokens_written, _placeholders_dropped
-    cdef Py_ssize_t p, col, row, width, start, num_placeholders, num_to_write
+    cdef Py_ssize_t p, row, width, start, num_placeholders, num_to_write
     cdef Py_ssize_t updated = 0, written = 0, dropped = 0
     cdef PyObject* token_ids
-    cdef PyObject* old
+    cdef PyObject* replaced
+    cdef PyObject* token
     for p in range(count):
         row = plans[p].row
         width = row_widths[row]
@@ -341,7 +398,8 @@ cdef Py_ssize_t _apply(list output_token_ids, PlannedUpdate* plans,
             token_ids = PyList_GET_ITEM(output_token_ids, plans[p].index)
         if (token_ids == NULL or not PyList_Check(token_ids)
                 or PyList_GET_SIZE(<object>token_ids) != plans[p].list_size):
-            # Only the synchronize callback can have changed the batch.
+            # Only Python code run by the synchronize callback, or by a
+            # released placeholder, can have changed the batch.
             raise RuntimeError(
                 f"output_token_ids[{plans[p].index}] changed while waiting "
                 "for the sampled ids"
@@ -352,16 +410,17 @@ cdef Py_ssize_t _apply(list output_token_ids, PlannedUpdate* plans,
         if num_to_write > num_placeholders:
             num_to_write = num_placeholders
         row_widths[row] = num_to_write
-        for col in range(num_to_write):
-            # The slot holds an int placeholder: releasing it runs no Python.
-            old = PyList_GET_ITEM(<object>token_ids, start + col)
-            list_set_item(token_ids, start + col,
-                          _token_object(_id_at(ids, row, col, dtype)))
-            Py_DECREF(old)
-        if num_to_write < num_placeholders:
-            PyList_SetSlice(token_ids, start + num_to_write, plans[p].list_size,
-                            NULL)
-            dropped += num_placeholders - num_to_write
+        if num_placeholders == 1 and num_to_write == 1:  # plain decode: one store
+            replaced = PyList_GET_ITEM(<object>token_ids, start)
+            token = _token_object(_id_at(ids, row, 0, dtype))
+            if token == NULL:
+                return -1
+            list_set_item(token_ids, start, token)
+            Py_DECREF(replaced)
+        else:
+            _replace_tail(token_ids, start, plans[p].list_size, num_to_write, ids, row,
+                          dtype)
+        dropped += num_placeholders - num_to_write
         updated += 1
         written += num_to_write
     _requests_updated += updated

@@ -5,6 +5,7 @@ transcribed; ``test_vllm_differential.py`` repeats this against the real class.
 """
 
 import numpy as np
+import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
@@ -152,3 +153,35 @@ def test_reentrant_call_from_synchronize(implementation):
         ["a", "b"], {"a": 1, "b": 0}, outputs, np.array([[10], [20]], np.int32), synchronize)
     assert outputs == [[1, 20], [2, 10]]
     assert inner_outputs == [[9, 70, 71]]
+
+
+@pytest.mark.parametrize("placeholders", [2, 16, 17, 40])
+def test_dropping_many_placeholders(implementation, placeholders):
+    """Short tails are cut in place, long ones (> 16) through PyList_SetSlice."""
+    outputs = [[1] + [-1] * placeholders, [2] + [-1] * placeholders]
+    expected = [list(ids) for ids in outputs]
+    sampled = np.array([[5, 6, -1], [7, -1, -1]], np.int64)
+    vllm_0_33_loop(["a", "b"], {"a": 0, "b": 1}, expected, sampled, CountingEvent())
+    implementation.update_async_output_token_ids(["a", "b"], {"a": 0, "b": 1}, outputs,
+                                                 sampled)
+    assert outputs == expected == [[1, 5, 6], [2, 7]]
+
+
+def test_placeholder_whose_release_runs_python(implementation):
+    """A -1 whose __del__ appends to the list: the list stays whole, as in vLLM."""
+
+    def batch():
+        token_ids = [1]
+
+        class Placeholder(int):
+            def __del__(self):
+                token_ids.append(99)
+
+        token_ids.extend(Placeholder(-1) for _ in range(3))
+        return token_ids
+
+    expected, got = [batch()], [batch()]
+    sampled = np.array([[5]], np.int64)
+    vllm_0_33_loop(["a"], {"a": 0}, expected, sampled, CountingEvent())
+    implementation.update_async_output_token_ids(["a"], {"a": 0}, got, sampled)
+    assert got == expected == [[1, 5, 99, 99, 99]]
