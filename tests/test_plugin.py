@@ -228,3 +228,31 @@ def test_patched_method_counts_its_work(monkeypatch):
     stats = vllm_plugin.status()["stats"]
     assert stats["calls"] == 1 and stats["requests_updated"] == 4
     assert stats["tokens_written"] == 4
+
+
+def test_ray_workers_get_the_switch_from_the_driver(monkeypatch):
+    """The README's Ray claim, checked on vLLM's own code (Ray itself is not installed).
+
+    The Ray executor sends the driver's environment minus worker-specific
+    variables (get_driver_env_vars), and RayWorkerProc.initialize_worker
+    applies it before the worker starts, which is when plugins are loaded.
+    """
+    import ast
+    import pathlib
+
+    import vllm
+    from vllm.v1.executor.ray_env_utils import get_driver_env_vars
+    from vllm.v1.executor.ray_utils import WORKER_SPECIFIC_ENV_VARS
+
+    monkeypatch.setenv("FASTBATCH", "1")
+    assert get_driver_env_vars(WORKER_SPECIFIC_ENV_VARS)["FASTBATCH"] == "1"
+
+    source = pathlib.Path(vllm.__file__).parent / "v1/executor/ray_executor_v2.py"
+    (initialize_worker,) = [
+        node for node in ast.walk(ast.parse(source.read_text()))
+        if isinstance(node, ast.FunctionDef) and node.name == "initialize_worker"]
+    first_line = {}
+    for node in ast.walk(initialize_worker):
+        if isinstance(node, ast.Call):
+            first_line.setdefault(ast.unparse(node.func), node.lineno)
+    assert first_line["os.environ.setdefault"] < first_line["super().__init__"]
