@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -142,6 +143,7 @@ def apply(force: bool = False) -> bool:
     import vllm
     from vllm.v1.worker.gpu_input_batch import InputBatch
 
+    started = time.perf_counter()
     if _original is not None:
         return True  # already applied in this process
     method = getattr(InputBatch, "update_async_output_token_ids", None)
@@ -166,9 +168,10 @@ def apply(force: bool = False) -> bool:
     fastbatch.reset_stats()  # count vLLM's calls only, not the check's
     _original = method
     InputBatch.update_async_output_token_ids = update_async_output_token_ids
-    logger.info("fastbatch %s: replaced %s of vLLM %s with the %s", fastbatch.__version__,
-                TARGET, vllm.__version__,
-                "compiled kernel" if fastbatch.COMPILED else "pure-Python fallback")
+    logger.info("fastbatch %s: replaced %s of vLLM %s with the %s (checks took %.1f ms)",
+                fastbatch.__version__, TARGET, vllm.__version__,
+                "compiled kernel" if fastbatch.COMPILED else "pure-Python fallback",
+                (time.perf_counter() - started) * 1e3)
     return True
 
 
