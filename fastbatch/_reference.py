@@ -71,8 +71,8 @@ def _resolve_sync(copy_ready: Any) -> Callable[[], object] | None:
                     f"a callable, got {type(copy_ready).__name__}")
 
 
-def _tensor_rows(tensor: Any) -> list[list[int]]:
-    """A torch tensor's rows, after the same checks, in the same order, as the kernel."""
+def _checked_tensor(tensor: Any) -> tuple[int, Callable[[], list[list[int]]]]:
+    """A torch tensor's row count and reader, after the kernel's checks, in its order."""
     dtype = getattr(tensor, "dtype", None)
     if dtype is None or not hasattr(tensor, "data_ptr"):
         raise TypeError("sampled_token_ids must be a 2-D int32 or int64 array or CPU "
@@ -86,22 +86,26 @@ def _tensor_rows(tensor: Any) -> list[list[int]]:
         raise TypeError(f"sampled_token_ids must be a dense tensor, got {tensor.layout}")
     if tensor.dim() != 2:
         raise TypeError(f"sampled_token_ids must be 2-D, got a {tensor.dim()}-D tensor")
-    return tensor.tolist()
+    return tensor.shape[0], tensor.tolist
 
 
-def _sampled_rows(sampled_token_ids: Any) -> list[list[int]]:
-    """The sampled ids as nested lists, after the same checks as the kernel."""
+def _checked_sampled(sampled_token_ids: Any) -> tuple[int, Callable[[], list[list[int]]]]:
+    """The sampled ids' row count, and a reader of their values as nested lists.
+
+    Checked as the kernel checks them; the values are read only when the
+    reader is called, after the copy-ready synchronisation.
+    """
     try:
         view = memoryview(sampled_token_ids)
     except TypeError:
-        return _tensor_rows(sampled_token_ids)
+        return _checked_tensor(sampled_token_ids)
     fmt = view.format
     if fmt[:1] in ("@", "=") or (fmt[:1] == "<" and sys.byteorder == "little"):
         fmt = fmt[1:]
     if not (view.ndim == 2 and fmt in ("q", "l", "i") and view.itemsize in (4, 8)):
         raise TypeError("sampled_token_ids must be a 2-D int32 or int64 array, "
                         f"got a {view.ndim}-D array of format {view.format!r}")
-    return view.tolist()
+    return view.shape[0], view.tolist
 
 
 def update_async_output_token_ids(
@@ -148,14 +152,15 @@ def update_async_output_token_ids(
     if not plans:
         return 0
 
-    rows = _sampled_rows(sampled_token_ids)
+    num_rows, read_rows = _checked_sampled(sampled_token_ids)
     for index, row, _ in plans:
-        if row >= len(rows):
+        if row >= num_rows:
             raise IndexError(f"prev_req_id_to_index[{req_ids[index]!r}] = {row} "
-                             f"is out of range for {len(rows)} sampled rows")
+                             f"is out of range for {num_rows} sampled rows")
     if synchronize is not None:
         synchronize()
         _stats["syncs"] += 1
+    rows = read_rows()  # only now: the copy may have been in flight until here
 
     # Pass 2: apply, as vLLM's loop body does.  ``del new_ids[...]`` truncates
     # the row for any later request that maps to the same row, as in vLLM.

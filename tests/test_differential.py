@@ -185,3 +185,16 @@ def test_placeholder_whose_release_runs_python(implementation):
     vllm_0_33_loop(["a"], {"a": 0}, expected, sampled, CountingEvent())
     implementation.update_async_output_token_ids(["a"], {"a": 0}, got, sampled)
     assert got == expected == [[1, 5, 99, 99, 99]]
+
+
+def test_sampled_array_read_only_after_synchronize(implementation):
+    """numpy too: the values written while synchronising are the ones used."""
+    sampled = np.array([[1], [2]], np.int64)
+    outputs = [[-1], [-1]]
+
+    def synchronize():  # the async copy "lands" only now
+        sampled[:, 0] = 41, 42
+
+    implementation.update_async_output_token_ids(["a", "b"], {"a": 1, "b": 0}, outputs,
+                                                 sampled, synchronize)
+    assert outputs == [[42], [41]]

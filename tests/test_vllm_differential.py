@@ -132,16 +132,17 @@ def test_kernel_reads_int32_and_int64_torch_tensors_zero_copy(batch):
         assert tensor_batch.output_token_ids == array_batch.output_token_ids
 
 
-def test_torch_tensor_is_not_copied():
-    """A change to the tensor after the call site is seen: no copy was taken."""
+def test_sampled_ids_read_only_after_synchronize(implementation):
+    """Values written while synchronising are the ones used: the ids are read
+    in place, after the copy-ready event, never earlier."""
     sampled = torch.tensor([[1], [2]], dtype=torch.int32)
     outputs = [[-1], [-1]]
 
     def synchronize():  # the async copy "lands" only now
         sampled[0, 0], sampled[1, 0] = 41, 42
 
-    fastbatch.update_async_output_token_ids(["a", "b"], {"a": 1, "b": 0}, outputs, sampled,
-                                            synchronize)
+    implementation.update_async_output_token_ids(["a", "b"], {"a": 1, "b": 0}, outputs,
+                                                 sampled, synchronize)
     assert outputs == [[42], [41]]
 
 
