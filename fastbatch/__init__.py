@@ -1,10 +1,17 @@
-"""fastbatch: vLLM's per-step async output-token update as one compiled call.
+"""fastbatch: vLLM's per-step token bookkeeping as one compiled call per step.
 
-``update_async_output_token_ids(req_ids, prev_req_id_to_index,
-output_token_ids, sampled_token_ids, copy_ready=None)`` is the batch-wide
-version of vLLM's ``InputBatch.update_async_output_token_ids``.  ``COMPILED``
-says whether the Cython kernel is in use; if it cannot be imported, the
-pure-Python reference takes its place and one ``RuntimeWarning`` says so.
+* ``update_async_output_token_ids(req_ids, prev_req_id_to_index,
+  output_token_ids, sampled_token_ids, copy_ready=None)``: the batch-wide
+  version of vLLM's ``InputBatch.update_async_output_token_ids``.
+* ``update_async_spec_token_ids(req_ids, prev_req_id_to_index,
+  spec_token_ids, draft_token_ids)``: the loop of
+  ``InputBatch.update_async_spec_token_ids``.
+* ``output_tokens_tensor(output_token_ids, vocab_size, pin_memory=False)``:
+  the penalties' padded output-token tensor, ``-1`` already masked.
+
+``COMPILED`` says whether the Cython kernel is in use; if it cannot be
+imported, the pure-Python reference takes its place and one
+``RuntimeWarning`` says so.
 """
 
 import warnings
@@ -12,7 +19,13 @@ import warnings
 __version__ = "0.1.0"
 
 try:
-    from fastbatch._kernel import reset_stats, stats, update_async_output_token_ids
+    from fastbatch._kernel import (
+        output_tokens_tensor,
+        reset_stats,
+        stats,
+        update_async_output_token_ids,
+        update_async_spec_token_ids,
+    )
 except ImportError as exc:  # no compiled module for this platform/interpreter
     warnings.warn(
         f"fastbatch: compiled kernel unavailable ({exc}); using the slower "
@@ -20,7 +33,13 @@ except ImportError as exc:  # no compiled module for this platform/interpreter
         RuntimeWarning,
         stacklevel=2,
     )
-    from fastbatch._reference import reset_stats, stats, update_async_output_token_ids
+    from fastbatch._reference import (
+        output_tokens_tensor,
+        reset_stats,
+        stats,
+        update_async_output_token_ids,
+        update_async_spec_token_ids,
+    )
 
     COMPILED = False
 else:
@@ -29,7 +48,9 @@ else:
 __all__ = [
     "COMPILED",
     "__version__",
+    "output_tokens_tensor",
     "reset_stats",
     "stats",
     "update_async_output_token_ids",
+    "update_async_spec_token_ids",
 ]

@@ -7,5 +7,16 @@ def update_async_output_token_ids(
     sampled_token_ids: Any,
     copy_ready: Any = ...,
 ) -> int: ...
+def update_async_spec_token_ids(
+    req_ids: list[str | None],
+    prev_req_id_to_index: dict[str, int],
+    spec_token_ids: list[list[int] | None],
+    draft_token_ids: list[list[int] | None],
+) -> int: ...
+def output_tokens_tensor(
+    output_token_ids: list[list[int]],
+    vocab_size: int,
+    pin_memory: bool = False,
+) -> Any: ...
 def stats() -> dict[str, int]: ...
 def reset_stats() -> None: ...

@@ -1,5 +1,17 @@
 # Compiler directives are set in setup.py (one place, with a debug switch).
-"""Compiled kernel: vLLM's async output-token update, one call per step.
+"""Compiled kernel: vLLM's per-step token bookkeeping, one call per step.
+
+Three batch-wide functions, each the compiled twin of a per-request Python
+loop of vLLM's V1 runner (``fastbatch._reference`` has all three in plain
+Python; the tests hold the two, and vLLM, to each other):
+
+* ``update_async_output_token_ids``: ``InputBatch.update_async_output_token_ids``.
+* ``update_async_spec_token_ids``: ``InputBatch.update_async_spec_token_ids``.
+* ``output_tokens_tensor``: the padded output-token tensor of the penalties
+  (``vllm/v1/sample/ops/penalties.py``: ``_convert_to_tensors`` followed by
+  ``apply_all_penalties``' ``-1 -> vocab_size`` masking).
+
+The rest of this note is about the first.
 
 ``update_async_output_token_ids`` does for a whole batch what vLLM's
 ``InputBatch.update_async_output_token_ids`` does one request at a time in
@@ -28,9 +40,9 @@ loop.
 
 from cpython.buffer cimport PyBUF_RECORDS_RO, PyBuffer_Release, PyObject_GetBuffer
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New
-from cpython.mem cimport PyMem_Free, PyMem_Realloc
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.object cimport PyObject
-from libc.stdint cimport int32_t, int64_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 from libc.string cimport memcpy
 
 import sys
@@ -40,6 +52,10 @@ cdef extern from "Python.h":
     # arguments, which would add reference-count traffic to the hot loops.
     PyObject* PyDict_GetItemWithError(PyObject* mp, PyObject* key) except? NULL
     bint PyList_Check(PyObject* o)
+    bint PyList_CheckExact(PyObject* o)
+    bint PyTuple_Check(PyObject* o)
+    PyObject** PySequence_Fast_ITEMS(PyObject* o)
+    Py_ssize_t Py_SIZE(PyObject* o)
     bint PyLong_Check(PyObject* o)
     bint PyLong_CheckExact(PyObject* o)
     bint PyObject_CheckBuffer(object o)
@@ -48,6 +64,7 @@ cdef extern from "Python.h":
     void list_set_item "PyList_SET_ITEM"(PyObject* lst, Py_ssize_t i, PyObject* item)
     void Py_DECREF(PyObject* o)
     void Py_INCREF(PyObject* o)
+    void Py_XDECREF(PyObject* o)
     void* PyMem_RawCalloc(size_t nelem, size_t elsize)
     PyObject* Py_None
     void Py_SET_SIZE(PyObject* o, Py_ssize_t size)
@@ -59,6 +76,8 @@ cdef extern from "Python.h":
 cdef extern from "_pylong.h":
     bint long_is_minus_one "fastbatch_long_is_minus_one"(PyObject* o) noexcept
     Py_ssize_t long_as_small_index "fastbatch_long_as_small_index"(PyObject* o) noexcept
+    bint long_as_compact "fastbatch_long_as_compact"(PyObject* o,
+                                                     long long* value) noexcept
 
 
 ctypedef fused sampled_t:
@@ -101,25 +120,41 @@ cdef uint64_t _syncs = 0
 cdef uint64_t _requests_updated = 0
 cdef uint64_t _tokens_written = 0
 cdef uint64_t _placeholders_dropped = 0
+cdef uint64_t _spec_calls = 0
+cdef uint64_t _spec_requests_updated = 0
+cdef uint64_t _penalty_tensors = 0
+cdef uint64_t _penalty_tokens = 0
 
 
 def stats():
-    """Counters since import or the last ``reset_stats()``, as a dict."""
+    """Counters since import or the last ``reset_stats()``, as a dict.
+
+    ``calls`` to ``tokens_written``/``placeholders_dropped`` count
+    ``update_async_output_token_ids``; ``spec_*`` count
+    ``update_async_spec_token_ids``; ``penalty_*`` count
+    ``output_tokens_tensor`` (tensors built, token ids converted).
+    """
     return {
         "calls": _calls,
         "syncs": _syncs,
         "requests_updated": _requests_updated,
         "tokens_written": _tokens_written,
         "placeholders_dropped": _placeholders_dropped,
+        "spec_calls": _spec_calls,
+        "spec_requests_updated": _spec_requests_updated,
+        "penalty_tensors": _penalty_tensors,
+        "penalty_tokens": _penalty_tokens,
     }
 
 
 def reset_stats():
     """Set every counter of ``stats()`` back to zero."""
     global _calls, _syncs, _requests_updated, _tokens_written
-    global _placeholders_dropped
+    global _placeholders_dropped, _spec_calls, _spec_requests_updated
+    global _penalty_tensors, _penalty_tokens
     _calls = _syncs = _requests_updated = _tokens_written = 0
-    _placeholders_dropped = 0
+    _placeholders_dropped = _spec_calls = _spec_requests_updated = 0
+    _penalty_tensors = _penalty_tokens = 0
 
 
 cdef inline bint _is_placeholder(PyObject* item, Py_ssize_t request,
@@ -555,3 +590,274 @@ cdef Py_ssize_t _update(list req_ids, dict prev_req_id_to_index,
     finally:
         if have_buffer:
             PyBuffer_Release(&buffer)
+
+
+# ---------------------------------------------------------------------------
+# update_async_spec_token_ids
+
+
+ctypedef struct SpecUpdate:
+    PyObject* spec_ids   # strong references (draft_ids may be NULL: skip),
+    PyObject* draft_ids  # released when the call ends
+    Py_ssize_t index     # position in the batch
+    Py_ssize_t row       # row of draft_token_ids (vLLM's prev_index)
+
+
+cdef int _plan_spec(list req_ids, dict prev_req_id_to_index, list spec_token_ids,
+                    list draft_token_ids, SpecUpdate* plans,
+                    Py_ssize_t* count) except -1:
+    """Pass 1: record (spec list, draft list) for every request vLLM would update.
+
+    Mutates nothing.  Empty lists are skipped for good: the update only ever
+    shortens a list, so an empty one cannot become non-empty later in the loop.
+    The draft rows are fetched in a second, tight loop: the lookups' loop is
+    long (a dict lookup per request), and a short one lets the CPU overlap the
+    cache misses on the freshly made draft lists.
+    """
+    cdef Py_ssize_t index, p, row
+    cdef Py_ssize_t num_reqs = min(PyList_GET_SIZE(req_ids),
+                                   PyList_GET_SIZE(spec_token_ids))
+    cdef Py_ssize_t num_drafts = PyList_GET_SIZE(draft_token_ids)
+    cdef PyObject* prev_index
+    cdef PyObject* draft
+    cdef object spec_ids, req_id  # strong: the dict lookup may run Python code
+    for index in range(num_reqs):
+        spec_ids = <object>PyList_GET_ITEM(spec_token_ids, index)
+        if spec_ids is None:
+            continue
+        if not (PyList_CheckExact(<PyObject*>spec_ids)
+                or PyList_Check(<PyObject*>spec_ids)):
+            raise TypeError(
+                f"spec_token_ids[{index}] must be a list or None, "
+                f"got {type(spec_ids).__name__}"
+            )
+        if PyList_GET_SIZE(spec_ids) == 0:
+            continue  # no draft tokens scheduled for this request
+        req_id = <object>PyList_GET_ITEM(req_ids, index)
+        prev_index = PyDict_GetItemWithError(<PyObject*>prev_req_id_to_index,
+                                             <PyObject*>req_id)
+        if prev_index == NULL or prev_index == Py_None:
+            continue
+        row = _as_row(<PyObject*>req_id, prev_index)
+        if row >= num_drafts:
+            raise IndexError(
+                f"prev_req_id_to_index[{req_id!r}] = {row} is out of range for "
+                f"{num_drafts} draft rows"
+            )
+        Py_INCREF(<PyObject*>spec_ids)
+        plans[count[0]] = SpecUpdate(<PyObject*>spec_ids, NULL, index, row)
+        count[0] += 1
+    for p in range(count[0]):
+        draft = PyList_GET_ITEM(draft_token_ids, plans[p].row)
+        if draft == Py_None:
+            continue
+        if not (PyList_CheckExact(draft) or PyList_Check(draft)):
+            raise TypeError(
+                f"draft_token_ids[{plans[p].row}] must be a list or None, "
+                f"got {type(<object>draft).__name__}"
+            )
+        if PyList_GET_SIZE(<object>draft) != 0:
+            Py_INCREF(draft)
+            plans[p].draft_ids = draft
+    return 0
+
+
+cdef int _assign_items(PyObject* target, PyObject* source) except -1:
+    """``target[:] = source`` for two distinct lists (vLLM's clear + extend).
+
+    Up to MAX_INLINE_TAIL items in place, as ``_replace_tail`` does: the final
+    state is reached before any replaced item is released.
+    """
+    cdef PyObject* replaced[MAX_INLINE_TAIL]
+    cdef PyObject* item
+    cdef Py_ssize_t i
+    cdef Py_ssize_t old_size = PyList_GET_SIZE(<object>target)
+    cdef Py_ssize_t new_size = PyList_GET_SIZE(<object>source)
+    if old_size > MAX_INLINE_TAIL or new_size > old_size:
+        return PyList_SetSlice(target, 0, old_size, source)
+    # One loop, item by item: a separate copy of the replaced items compiles
+    # to ``rep movsq``, whose start-up cost dominates at these sizes.
+    for i in range(new_size):
+        item = PyList_GET_ITEM(<object>source, i)
+        Py_INCREF(item)
+        replaced[i] = PyList_GET_ITEM(<object>target, i)
+        list_set_item(target, i, item)
+    for i in range(new_size, old_size):
+        replaced[i] = PyList_GET_ITEM(<object>target, i)
+    Py_SET_SIZE(target, new_size)
+    for i in range(old_size):
+        Py_DECREF(replaced[i])
+    return 0
+
+
+cdef Py_ssize_t _apply_spec(SpecUpdate* plans, Py_ssize_t count) except -1:
+    """Pass 2: vLLM's ``del draft_ids[len(spec_ids):]; spec_ids[:] = draft_ids``,
+    request by request and in order, so lists shared between requests end up
+    exactly as vLLM leaves them."""
+    cdef Py_ssize_t p, spec_size, draft_size
+    cdef Py_ssize_t updated = 0
+    cdef PyObject* spec_ids
+    cdef PyObject* draft_ids
+    for p in range(count):
+        spec_ids, draft_ids = plans[p].spec_ids, plans[p].draft_ids
+        if draft_ids == NULL:
+            continue  # an empty or None draft row: vLLM skips the request
+        spec_size = PyList_GET_SIZE(<object>spec_ids)
+        draft_size = PyList_GET_SIZE(<object>draft_ids)
+        if spec_size == 0 or draft_size == 0:
+            continue  # emptied earlier in this loop (lists shared by requests)
+        if draft_size > spec_size:
+            PyList_SetSlice(draft_ids, spec_size, draft_size, NULL)
+        if spec_ids == draft_ids:  # clear() then extend() with itself: empty
+            PyList_SetSlice(spec_ids, 0, PyList_GET_SIZE(<object>spec_ids), NULL)
+        else:
+            _assign_items(spec_ids, draft_ids)
+        updated += 1
+    return updated
+
+
+def update_async_spec_token_ids(list req_ids not None,
+                                dict prev_req_id_to_index not None,
+                                list spec_token_ids not None,
+                                list draft_token_ids not None):
+    """Replace each request's scheduled draft tokens with the real ones.
+
+    The batch-wide equivalent of vLLM's ``InputBatch.update_async_spec_token_ids``
+    loop (after its early returns): for each request, in order, whose
+    ``spec_token_ids`` list is non-empty and whose id maps (through
+    ``prev_req_id_to_index``) to a non-empty row of ``draft_token_ids``, cut
+    that row to the request's length and copy it into the request's list.
+    Returns the number of requests updated.
+    """
+    global _spec_calls, _spec_requests_updated
+    cdef Py_ssize_t p, count = 0, updated
+    cdef Py_ssize_t num_reqs = min(PyList_GET_SIZE(req_ids),
+                                   PyList_GET_SIZE(spec_token_ids))
+    _spec_calls += 1
+    if num_reqs == 0:
+        return 0
+    cdef SpecUpdate* plans = <SpecUpdate*>PyMem_Malloc(num_reqs * sizeof(SpecUpdate))
+    if plans == NULL:
+        raise MemoryError()
+    try:
+        _plan_spec(req_ids, prev_req_id_to_index, spec_token_ids, draft_token_ids,
+                   plans, &count)
+        updated = _apply_spec(plans, count)
+        _spec_requests_updated += updated
+        return updated
+    finally:
+        for p in range(count):
+            Py_DECREF(plans[p].spec_ids)
+            Py_XDECREF(plans[p].draft_ids)
+        PyMem_Free(plans)
+
+
+# ---------------------------------------------------------------------------
+# output_tokens_tensor
+
+
+cdef object _torch_empty = None  # torch.empty and torch.int64, imported on
+cdef object _torch_int64 = None  # the first call (vLLM has imported torch)
+
+
+cdef int64_t _token_value_slow(PyObject* item, Py_ssize_t row,
+                               Py_ssize_t position) except? -1:
+    """A token id that is not a compact int: an int subclass, a big int or an
+    ``__index__`` object (a numpy int, say).  Floats and strings, which numpy
+    would silently truncate or parse, are refused."""
+    cdef object value
+    if PyLong_Check(item):
+        value = <object>item
+    else:
+        try:
+            value = (<object>item).__index__()
+        except AttributeError:
+            raise TypeError(
+                f"output_token_ids[{row}][{position}] must be an int, "
+                f"got {type(<object>item).__name__}"
+            ) from None
+    try:
+        return <int64_t>int(value)
+    except OverflowError:
+        raise OverflowError(
+            f"output_token_ids[{row}][{position}] = {value} does not fit in int64"
+        ) from None
+
+
+cdef int _fill_row(int64_t* out, object row_ids, Py_ssize_t row, Py_ssize_t size,
+                   Py_ssize_t max_len, int64_t pad) except -1:
+    """``out[:max_len] = row_ids`` with -1 mapped to ``pad``, then ``pad``."""
+    cdef PyObject** items = PySequence_Fast_ITEMS(<PyObject*>row_ids)
+    cdef PyObject* item
+    cdef long long value
+    cdef Py_ssize_t j
+    for j in range(size):
+        item = items[j]
+        if not (PyLong_CheckExact(item) and long_as_compact(item, &value)):
+            value = _token_value_slow(item, row, j)
+            # __index__ ran Python code: the list may have changed under us.
+            if Py_SIZE(<PyObject*>row_ids) != size:
+                raise RuntimeError(
+                    f"output_token_ids[{row}] changed while it was being read")
+            items = PySequence_Fast_ITEMS(<PyObject*>row_ids)
+        out[j] = pad if value == -1 else value
+    for j in range(size, max_len):
+        out[j] = pad
+    return 0
+
+
+def output_tokens_tensor(list output_token_ids not None, vocab_size,
+                         bint pin_memory=False):
+    """The penalties' padded ``[num_reqs, max_len]`` int64 CPU tensor.
+
+    Exactly what vLLM's penalties compute from ``output_token_ids`` before
+    scattering them (``_convert_to_tensors`` and the ``masked_fill_`` of
+    ``apply_all_penalties``): row ``i`` holds request ``i``'s token ids with
+    every ``-1`` placeholder replaced by ``vocab_size``, padded with
+    ``vocab_size`` to the longest row.  Written straight into a new torch
+    tensor (pinned if ``pin_memory``), without vLLM's intermediate numpy array.
+    """
+    global _torch_empty, _torch_int64, _penalty_tensors, _penalty_tokens
+    cdef Py_ssize_t i, size, max_len = 0, total = 0
+    cdef Py_ssize_t num_rows = PyList_GET_SIZE(output_token_ids)
+    cdef int64_t pad
+    cdef int64_t* data
+    cdef PyObject* row_ids
+    try:
+        pad = vocab_size.__index__()
+    except (AttributeError, OverflowError):
+        raise TypeError(f"vocab_size must be an int64, got {vocab_size!r}") from None
+    if pad < 0:
+        raise ValueError(f"vocab_size must not be negative, got {pad}")
+    for i in range(num_rows):
+        row_ids = PyList_GET_ITEM(output_token_ids, i)
+        if not (PyList_Check(row_ids) or PyTuple_Check(row_ids)):
+            raise TypeError(
+                f"output_token_ids[{i}] must be a list of ints, "
+                f"got {type(<object>row_ids).__name__}"
+            )
+        size = Py_SIZE(row_ids)
+        total += size
+        if size > max_len:
+            max_len = size
+    if _torch_empty is None:
+        import torch
+        _torch_empty, _torch_int64 = torch.empty, torch.int64
+    tensor = _torch_empty((num_rows, max_len), dtype=_torch_int64,
+                          pin_memory=pin_memory)
+    data = <int64_t*><uintptr_t>tensor.data_ptr()
+    for i in range(num_rows):
+        # torch.empty ran Python code: check that the batch is still the same
+        if i >= PyList_GET_SIZE(output_token_ids):
+            raise RuntimeError("output_token_ids changed while it was being read")
+        row_ids = PyList_GET_ITEM(output_token_ids, i)
+        if not (PyList_Check(row_ids) or PyTuple_Check(row_ids)):
+            raise RuntimeError("output_token_ids changed while it was being read")
+        size = Py_SIZE(row_ids)
+        if size > max_len:
+            raise RuntimeError(
+                f"output_token_ids[{i}] changed while it was being read")
+        _fill_row(data + i * max_len, <object>row_ids, i, size, max_len, pad)
+    _penalty_tensors += 1
+    _penalty_tokens += total
+    return tensor

@@ -50,4 +50,28 @@ static inline Py_ssize_t fastbatch_long_as_small_index(PyObject *o)
 #endif
 }
 
+/* Store the value of the int object `o` in *value and return 1 if it is
+ * compact (every token id is), else return 0 without touching *value. */
+static inline int fastbatch_long_as_compact(PyObject *o, long long *value)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject *)o)) {
+        *value = (long long)PyUnstable_Long_CompactValue((PyLongObject *)o);
+        return 1;
+    }
+    return 0;
+#else
+    Py_ssize_t size = Py_SIZE(o);
+    if (size == 0) {
+        *value = 0;
+        return 1;
+    }
+    if (size == 1 || size == -1) {
+        *value = (long long)size * (long long)((PyLongObject *)o)->ob_digit[0];
+        return 1;
+    }
+    return 0;
+#endif
+}
+
 #endif

@@ -1,7 +1,10 @@
 """Pure-Python reference of the kernel: the test oracle and the fallback.
 
-Same signature, rules, errors and counters as ``fastbatch._kernel``; written
-for reading, not for speed.  The semantics are those of vLLM 0.33.0's
+Same signatures, rules, errors and counters as ``fastbatch._kernel``; written
+for reading, not for speed.  ``update_async_spec_token_ids`` and
+``output_tokens_tensor`` are described at their definitions below.
+
+``update_async_output_token_ids`` has the semantics of vLLM 0.33.0's
 ``InputBatch.update_async_output_token_ids`` (0.22.0 and later behave the
 same), with the input contract tightened so that bad input raises before any
 list is changed:
@@ -27,7 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 _STATS_KEYS = ("calls", "syncs", "requests_updated", "tokens_written",
-               "placeholders_dropped")
+               "placeholders_dropped", "spec_calls", "spec_requests_updated",
+               "penalty_tensors", "penalty_tokens")
 _stats = dict.fromkeys(_STATS_KEYS, 0)
 
 
@@ -180,3 +184,117 @@ def update_async_output_token_ids(
         _stats["tokens_written"] += num_to_write
         _stats["placeholders_dropped"] += num_placeholders - num_to_write
     return updated
+
+
+def update_async_spec_token_ids(
+    req_ids: list[str | None],
+    prev_req_id_to_index: dict[str, int],
+    spec_token_ids: list[list[int] | None],
+    draft_token_ids: list[list[int] | None],
+) -> int:
+    """vLLM's ``InputBatch.update_async_spec_token_ids`` loop, after its early
+    returns (vLLM 0.21.0 to 0.33.0).
+
+    For each request in order (``zip`` of ``req_ids`` and ``spec_token_ids``)
+    whose spec list is non-empty and whose id maps to a non-empty draft row:
+    ``del draft[len(spec):]`` and ``spec[:] = draft``.  Contract, checked
+    before any list changes: the three containers are lists and the dict a
+    dict; examined spec entries and draft rows are lists or ``None`` (skipped);
+    ``prev_index`` is an int in ``range(len(draft_token_ids))``.  Returns the
+    number of requests updated.
+    """
+    for name, value, kind in (("req_ids", req_ids, list),
+                              ("prev_req_id_to_index", prev_req_id_to_index, dict),
+                              ("spec_token_ids", spec_token_ids, list),
+                              ("draft_token_ids", draft_token_ids, list)):
+        if not isinstance(value, kind):
+            raise TypeError(f"{name} must be a {kind.__name__}, "
+                            f"got {type(value).__name__}")
+    _stats["spec_calls"] += 1
+
+    # Pass 1: plan.  An empty list is never made non-empty by the loop (it
+    # only shortens lists), so skipping empties here is exact.
+    plans = []  # (spec list, draft list)
+    for index, (req_id, spec_ids) in enumerate(zip(req_ids, spec_token_ids)):
+        if spec_ids is None:
+            continue
+        if not isinstance(spec_ids, list):
+            raise TypeError(f"spec_token_ids[{index}] must be a list or None, "
+                            f"got {type(spec_ids).__name__}")
+        if not spec_ids:
+            continue
+        prev_index = prev_req_id_to_index.get(req_id)
+        if prev_index is None:
+            continue
+        row = _as_row(req_id, prev_index)
+        if row >= len(draft_token_ids):
+            raise IndexError(f"prev_req_id_to_index[{req_id!r}] = {row} is out of "
+                             f"range for {len(draft_token_ids)} draft rows")
+        draft_ids = draft_token_ids[row]
+        if draft_ids is None:
+            continue
+        if not isinstance(draft_ids, list):
+            raise TypeError(f"draft_token_ids[{row}] must be a list or None, "
+                            f"got {type(draft_ids).__name__}")
+        if draft_ids:
+            plans.append((spec_ids, draft_ids))
+
+    # Pass 2: vLLM's loop body, in order (lists may be shared between requests).
+    updated = 0
+    for spec_ids, draft_ids in plans:
+        if spec_ids and draft_ids:
+            del draft_ids[len(spec_ids):]
+            spec_ids.clear()
+            spec_ids.extend(draft_ids)
+            updated += 1
+    _stats["spec_requests_updated"] += updated
+    return updated
+
+
+def _token_value(item: object, row: int, position: int) -> int:
+    if not hasattr(type(item), "__index__"):  # floats and strings have none
+        raise TypeError(f"output_token_ids[{row}][{position}] must be an int, "
+                        f"got {type(item).__name__}")
+    value = operator.index(item)
+    if not -2**63 <= value < 2**63:
+        raise OverflowError(f"output_token_ids[{row}][{position}] = {value} does "
+                            "not fit in int64")
+    return value
+
+
+def output_tokens_tensor(output_token_ids: list[list[int]], vocab_size: int,
+                         pin_memory: bool = False) -> Any:
+    """The int64 ``[num_reqs, max_len]`` CPU tensor of vLLM's penalties.
+
+    ``make_tensor_with_pad(output_token_ids, pad=vocab_size, dtype=int64)``
+    with every -1 replaced by ``vocab_size`` (``apply_all_penalties``'
+    ``masked_fill_``), pinned if ``pin_memory``.  Stricter than numpy: items
+    must be ints (or have ``__index__``); floats and strings raise TypeError.
+    """
+    import torch
+
+    if not isinstance(output_token_ids, list):
+        raise TypeError("output_token_ids must be a list, "
+                        f"got {type(output_token_ids).__name__}")
+    try:
+        pad = operator.index(vocab_size)
+    except TypeError:
+        raise TypeError(f"vocab_size must be an int64, got {vocab_size!r}") from None
+    if not -2**63 <= pad < 2**63:
+        raise TypeError(f"vocab_size must be an int64, got {vocab_size!r}")
+    if pad < 0:
+        raise ValueError(f"vocab_size must not be negative, got {pad}")
+    for index, row_ids in enumerate(output_token_ids):
+        if not isinstance(row_ids, (list, tuple)):
+            raise TypeError(f"output_token_ids[{index}] must be a list of ints, "
+                            f"got {type(row_ids).__name__}")
+    max_len = max(map(len, output_token_ids), default=0)
+    rows = [[pad if value == -1 else value
+             for value in (_token_value(item, index, position)
+                           for position, item in enumerate(row_ids))]
+            + [pad] * (max_len - len(row_ids))
+            for index, row_ids in enumerate(output_token_ids)]
+    tensor = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), max_len)
+    _stats["penalty_tensors"] += 1
+    _stats["penalty_tokens"] += sum(map(len, output_token_ids))
+    return tensor.pin_memory() if pin_memory else tensor
