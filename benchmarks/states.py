@@ -20,7 +20,7 @@ from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from batches import vllm_0_21_method
 from fastbatch import _reference
-from fastbatch.patches import gpu_input_batch as patch
+from fastbatch.patches import async_output_token_ids as patch
 
 DRAFTS = 4  # spec decode: 1 bonus + 4 draft placeholders per step
 REQUESTS = (1, 64, 256, 1024, 4096)

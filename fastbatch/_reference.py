@@ -215,7 +215,7 @@ def update_async_spec_token_ids(
     # Pass 1: plan.  An empty list is never made non-empty by the loop (it
     # only shortens lists), so skipping empties here is exact.
     plans = []  # (spec list, draft list)
-    for index, (req_id, spec_ids) in enumerate(zip(req_ids, spec_token_ids)):
+    for index, (req_id, spec_ids) in enumerate(zip(req_ids, spec_token_ids, strict=False)):
         if spec_ids is None:
             continue
         if not isinstance(spec_ids, list):

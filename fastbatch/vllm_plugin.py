@@ -13,18 +13,33 @@ off (unset, empty, ``0``) nothing of vLLM is imported or touched.
   unset, empty, ``0``/``false``/``no``/``off``  stock vLLM
   anything else                            a warning, stock vLLM
 
-The switch is deliberately not named ``VLLM_*``: vLLM warns about unknown
-``VLLM_`` variables.  Ray workers get it because vLLM's Ray executor copies
+``FASTBATCH_DISABLE`` (comma- or space-separated, any case) leaves single
+pieces stock while the others are on:
+  ``output``     ``InputBatch.update_async_output_token_ids``
+  ``spec``       ``InputBatch.update_async_spec_token_ids``
+  ``penalties``  ``penalties._convert_to_tensors``
+Unknown names are reported in a warning and ignored.
+
+The switches are deliberately not named ``VLLM_*``: vLLM warns about unknown
+``VLLM_`` variables.  Ray workers get them because vLLM's Ray executor copies
 the driver's environment to them.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from typing import Any
 
 ENV_VAR = "FASTBATCH"
+DISABLE_VAR = "FASTBATCH_DISABLE"
+# FASTBATCH_DISABLE name -> the module of that patch (fastbatch.patches).
+PATCHES = {
+    "output": "fastbatch.patches.async_output_token_ids",
+    "spec": "fastbatch.patches.async_spec_token_ids",
+    "penalties": "fastbatch.patches.penalty_output_tokens",
+}
 _ON = {"1", "true", "yes", "on"}
 _OFF = {"", "0", "false", "no", "off"}
 
@@ -44,32 +59,53 @@ def mode() -> str:
     return "off"
 
 
+def disabled() -> set[str]:
+    """The patch names listed in ``FASTBATCH_DISABLE`` (unknown ones: a warning)."""
+    raw = os.environ.get(DISABLE_VAR, "")
+    names = {name.lower() for name in raw.replace(",", " ").split()}
+    unknown = names - PATCHES.keys()
+    if unknown:
+        logger.warning("fastbatch: ignoring unknown %s entries %s (known: %s)",
+                       DISABLE_VAR, sorted(unknown), ", ".join(PATCHES))
+    return names & PATCHES.keys()
+
+
 def register() -> None:
     """Entry point of ``vllm.general_plugins``: apply the patches if switched on."""
     current = mode()
     if current == "off":
         return
-    from fastbatch.patches import gpu_input_batch
-
-    gpu_input_batch.apply(force=current == "force")
+    skipped = disabled()
+    for name, module in PATCHES.items():
+        patch = importlib.import_module(module)
+        if name in skipped:
+            if not patch.is_applied():
+                logger.info("fastbatch: %s left stock (%s=%s)", patch.TARGET,
+                            DISABLE_VAR, os.environ[DISABLE_VAR])
+            continue
+        patch.apply(force=current == "force")
 
 
 def status(worker: Any = None) -> dict[str, Any]:
     """What fastbatch does in this process, for ``llm.collective_rpc(status)``.
 
-    ``worker`` is what ``collective_rpc`` passes in (the worker, or its
-    wrapper); when given, ``async_scheduling`` says whether its model runner
-    runs with async scheduling, without which the method has nothing to do.
+    ``installed`` is true if any patch is applied, ``patches`` says which
+    (by ``FASTBATCH_DISABLE`` name).  ``worker`` is what ``collective_rpc``
+    passes in (the worker, or its wrapper); when given, ``async_scheduling``
+    says whether its model runner runs with async scheduling, without which
+    the two ``update_async_*`` methods have nothing to do.
     """
     import fastbatch
-    from fastbatch.patches import gpu_input_batch
 
     worker = getattr(worker, "worker", worker)  # unwrap a WorkerWrapperBase
     runner = getattr(worker, "model_runner", None)
+    patches = {name: bool(importlib.import_module(module).is_applied())
+               for name, module in PATCHES.items()}
     return {
         "pid": os.getpid(),
         "mode": mode(),
-        "installed": bool(gpu_input_batch.is_applied()),
+        "installed": any(patches.values()),
+        "patches": patches,
         "compiled": fastbatch.COMPILED,
         "async_scheduling": getattr(runner, "use_async_scheduling", None),
         "stats": fastbatch.stats(),

@@ -19,6 +19,10 @@ from fastbatch import _reference
 # non-zero there if nothing was collected.
 VLLM_MODULES = ["test_vllm_differential.py", "test_plugin.py", "test_e2e.py"]
 collect_ignore = [] if importlib.util.find_spec("vllm") else VLLM_MODULES
+# The penalties' tensor is a torch tensor: its tests need torch (the default
+# tox environment installs the CPU build; the other interpreters' may not).
+if not importlib.util.find_spec("torch"):
+    collect_ignore.append("test_penalty_tokens.py")
 
 if not collect_ignore:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM is imported
@@ -38,7 +42,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 @pytest.fixture(scope="module", params=["compiled", "reference"])
 def implementation(request):
-    """Each implementation of the update: the compiled kernel and the fallback."""
+    """Each implementation: the compiled kernel and the pure-Python fallback."""
     if request.param == "compiled":
         assert fastbatch.COMPILED, "the compiled kernel is not importable"
         return fastbatch._kernel

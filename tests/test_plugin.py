@@ -1,8 +1,8 @@
-"""The vLLM plugin: switch values, idempotence, version/shape guard, activation check.
+"""The vLLM plugin: switches, idempotence, version/shape guard, activation check.
 
 Runs on the real vLLM 0.33.0 (tox -e vllm); nothing of vLLM is mocked.  The
 "changed target" and "wrong kernel" cases are simulated by putting another
-function in place of vLLM's method or of fastbatch's kernel.
+function in place of vLLM's code or of fastbatch's kernel.
 """
 
 import logging
@@ -12,15 +12,27 @@ import textwrap
 
 import pytest
 import torch
+from vllm.v1.sample.ops import penalties
 from vllm.v1.worker.gpu_input_batch import InputBatch
 
 import fastbatch
 from batches import vllm_0_21_method
 from fastbatch import vllm_plugin
-from fastbatch.patches import gpu_input_batch as patch
+from fastbatch.patches import async_output_token_ids as patch
+from fastbatch.patches import async_spec_token_ids as spec_patch
+from fastbatch.patches import penalty_output_tokens as penalty_patch
 
 pytestmark = pytest.mark.vllm
 STOCK_METHOD = InputBatch.update_async_output_token_ids
+STOCK_SPEC_METHOD = InputBatch.update_async_spec_token_ids
+STOCK_CONVERT = penalties._convert_to_tensors
+PATCHES = {"output": patch, "spec": spec_patch, "penalties": penalty_patch}
+
+
+def _stock_everywhere():
+    return (InputBatch.update_async_output_token_ids is STOCK_METHOD
+            and InputBatch.update_async_spec_token_ids is STOCK_SPEC_METHOD
+            and penalties._convert_to_tensors is STOCK_CONVERT)
 
 
 class _Records(logging.Handler):
@@ -50,11 +62,20 @@ def logs():
 
 @pytest.fixture(autouse=True)
 def stock_vllm(monkeypatch):
-    """Every test starts and ends with vLLM's own method in place."""
-    patch.revert()
-    assert InputBatch.update_async_output_token_ids is STOCK_METHOD
+    """Every test starts and ends with vLLM's own code in place.
+
+    vLLM 0.33.0's GPU wheel on this GPU-less machine says PIN_MEMORY=True, so
+    stock penalties would fail (and the penalties patch's activation check
+    with them, see test_penalties_stay_stock_where_stock_cannot_pin): off here.
+    """
+    for module in PATCHES.values():
+        module.revert()
+    assert _stock_everywhere()
+    monkeypatch.setattr(penalties, "PIN_MEMORY", False)
+    monkeypatch.delenv("FASTBATCH_DISABLE", raising=False)
     yield
-    patch.revert()  # monkeypatch then undoes the test's own replacements
+    for module in PATCHES.values():
+        module.revert()  # monkeypatch then undoes the test's own replacements
 
 
 @pytest.mark.parametrize("value", [None, "", "0", "false", "No", "off"])
@@ -64,7 +85,7 @@ def test_switch_off_leaves_vllm_stock(monkeypatch, logs, value):
     else:
         monkeypatch.setenv("FASTBATCH", value)
     vllm_plugin.register()
-    assert InputBatch.update_async_output_token_ids is STOCK_METHOD
+    assert _stock_everywhere()
     assert logs.records == []
 
 
@@ -72,25 +93,62 @@ def test_switch_off_leaves_vllm_stock(monkeypatch, logs, value):
 def test_switch_on_installs_once(monkeypatch, logs, value):
     monkeypatch.setenv("FASTBATCH", value)
     vllm_plugin.register()
-    installed = InputBatch.update_async_output_token_ids
-    assert installed is patch.update_async_output_token_ids
-    assert patch.original() is STOCK_METHOD
+    installed = (InputBatch.update_async_output_token_ids,
+                 InputBatch.update_async_spec_token_ids, penalties._convert_to_tensors)
+    assert installed == (patch.update_async_output_token_ids,
+                         spec_patch.update_async_spec_token_ids,
+                         penalty_patch._convert_to_tensors)
+    assert (patch.original(), spec_patch.original(), penalty_patch.original()) == (
+        STOCK_METHOD, STOCK_SPEC_METHOD, STOCK_CONVERT)
     vllm_plugin.register()  # vLLM loads plugins more than once
     vllm_plugin.register()
-    assert InputBatch.update_async_output_token_ids is installed
+    assert (InputBatch.update_async_output_token_ids,
+            InputBatch.update_async_spec_token_ids, penalties._convert_to_tensors) == installed
     assert patch.original() is STOCK_METHOD
     infos = logs.at(logging.INFO)
-    assert len(infos) == 1
-    for expected in (fastbatch.__version__, "vLLM 0.33.0", patch.TARGET, "compiled kernel"):
-        assert expected in infos[0]
-    assert vllm_plugin.status()["installed"] is True
+    assert len(infos) == 3
+    for info, module in zip(infos, PATCHES.values(), strict=True):
+        for expected in (fastbatch.__version__, "vLLM 0.33.0", module.TARGET,
+                         "compiled kernel"):
+            assert expected in info
+    status = vllm_plugin.status()
+    assert status["installed"] is True
+    assert status["patches"] == {"output": True, "spec": True, "penalties": True}
+
+
+@pytest.mark.parametrize(("value", "stock"), [
+    ("penalties", {"penalties"}), ("SPEC", {"spec"}), ("output,penalties", {"output",
+                                                                           "penalties"}),
+    (" spec  output ", {"spec", "output"}), ("output,spec,penalties", set(PATCHES)),
+])
+def test_disable_leaves_single_pieces_stock(monkeypatch, logs, value, stock):
+    monkeypatch.setenv("FASTBATCH", "1")
+    monkeypatch.setenv("FASTBATCH_DISABLE", value)
+    vllm_plugin.register()
+    assert vllm_plugin.status()["patches"] == {name: name not in stock for name in PATCHES}
+    assert (InputBatch.update_async_output_token_ids is STOCK_METHOD) == ("output" in stock)
+    assert (InputBatch.update_async_spec_token_ids is STOCK_SPEC_METHOD) == ("spec" in stock)
+    assert (penalties._convert_to_tensors is STOCK_CONVERT) == ("penalties" in stock)
+    left_stock = [info for info in logs.at(logging.INFO) if "left stock" in info]
+    assert len(left_stock) == len(stock)
+    assert logs.at(logging.WARNING) == []
+
+
+def test_disable_with_an_unknown_name_warns(monkeypatch, logs):
+    monkeypatch.setenv("FASTBATCH", "1")
+    monkeypatch.setenv("FASTBATCH_DISABLE", "penalty, spec")
+    vllm_plugin.register()
+    assert vllm_plugin.status()["patches"] == {"output": True, "spec": False,
+                                               "penalties": True}
+    (warning,) = logs.at(logging.WARNING)
+    assert "'penalty'" in warning and "output, spec, penalties" in warning
 
 
 @pytest.mark.parametrize("value", ["2", "maybe", "enable"])
 def test_garbage_value_warns_and_stays_stock(monkeypatch, logs, value):
     monkeypatch.setenv("FASTBATCH", value)
     vllm_plugin.register()
-    assert InputBatch.update_async_output_token_ids is STOCK_METHOD
+    assert _stock_everywhere()
     (warning,) = logs.at(logging.WARNING)
     assert repr(value) in warning and "stock" in warning
 
@@ -103,7 +161,7 @@ def test_switch_off_imports_nothing_of_vllm():
         from fastbatch import vllm_plugin
         vllm_plugin.register()
         assert not any(m == "vllm" or m.startswith("vllm.") for m in sys.modules), "vllm"
-        assert "fastbatch.patches.gpu_input_batch" not in sys.modules
+        assert "fastbatch.patches" not in sys.modules
         print("untouched")
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -142,6 +200,95 @@ def test_guard_accepts_the_installed_vllm():
     import vllm
 
     assert patch.check_target(vllm.__version__, STOCK_METHOD) is None
+    assert spec_patch.check_target(vllm.__version__, STOCK_SPEC_METHOD) is None
+    assert penalty_patch.check_target(vllm.__version__, STOCK_CONVERT) is None
+
+
+def test_guard_refuses_a_changed_spec_method(monkeypatch, logs):
+    def changed(self, draft_token_ids):  # vLLM's loop minus the draft cut
+        for req_id, spec_ids in zip(self.req_ids, self.sampling_metadata.spec_token_ids,
+                                     strict=False):
+            prev_index = self.prev_req_id_to_index.get(req_id)
+            if spec_ids and prev_index is not None:
+                spec_ids[:] = draft_token_ids[prev_index]
+
+    monkeypatch.setattr(InputBatch, "update_async_spec_token_ids", changed)
+    monkeypatch.setenv("FASTBATCH", "1")
+    vllm_plugin.register()
+    assert InputBatch.update_async_spec_token_ids is changed
+    assert vllm_plugin.status()["patches"] == {"output": True, "spec": False,
+                                               "penalties": True}
+    (warning,) = logs.at(logging.WARNING)
+    assert spec_patch.TARGET in warning and "not a verified variant" in warning
+
+
+def test_guard_refuses_penalties_whose_masking_moved(monkeypatch, logs):
+    """The replacement folds in apply_all_penalties' -1 masking: if that
+    function changes, the patch is not applied, though its target is intact."""
+    def without_masking(logits, prompt_token_ids, presence_penalties,
+                        frequency_penalties, repetition_penalties, output_token_ids):
+        _, vocab_size = logits.shape
+        output_tokens_t = penalties._convert_to_tensors(output_token_ids, vocab_size,
+                                                        logits.device)
+        return penalties.apply_penalties(logits, prompt_token_ids, output_tokens_t,
+                                         presence_penalties, frequency_penalties,
+                                         repetition_penalties)
+
+    monkeypatch.setattr(penalties, "apply_all_penalties", without_masking)
+    monkeypatch.setenv("FASTBATCH", "1")
+    vllm_plugin.register()
+    assert penalties._convert_to_tensors is STOCK_CONVERT
+    (warning,) = logs.at(logging.WARNING)
+    assert "apply_all_penalties is not a verified variant" in warning
+    assert penalty_patch.TARGET in warning
+
+
+def test_penalties_stay_stock_where_stock_cannot_pin(monkeypatch, logs):
+    """PIN_MEMORY=True without an accelerator: stock would fail on its first
+    use, so does the activation check (the flag really reaches torch), and
+    the penalties stay stock; the other patches are unaffected."""
+    monkeypatch.setattr(penalties, "PIN_MEMORY", True)
+    monkeypatch.setenv("FASTBATCH", "1")
+    vllm_plugin.register()
+    assert penalties._convert_to_tensors is STOCK_CONVERT
+    assert vllm_plugin.status()["patches"] == {"output": True, "spec": True,
+                                               "penalties": False}
+    (error,) = logs.at(logging.ERROR)
+    assert "activation check failed" in error and penalty_patch.TARGET in error
+
+
+def test_patched_penalties_pin_as_stock_pins(monkeypatch):
+    """Once installed, the replacement reads PIN_MEMORY at call time, as stock does."""
+    monkeypatch.setenv("FASTBATCH", "1")
+    vllm_plugin.register()
+    rows = [[1, -1, 3]]
+    assert not penalties._convert_to_tensors(rows, 10, "cpu").is_pinned()
+    monkeypatch.setattr(penalties, "PIN_MEMORY", True)
+    with pytest.raises(RuntimeError):  # no accelerator here to pin with
+        STOCK_CONVERT(rows, 10, "cpu")
+    with pytest.raises(RuntimeError):
+        penalties._convert_to_tensors(rows, 10, "cpu")
+
+
+@pytest.mark.parametrize("broken", ["spec", "penalties"])
+def test_activation_check_refuses_wrong_new_kernels(monkeypatch, logs, broken):
+    if broken == "spec":
+        def wrong(req_ids, prev, spec_token_ids, draft_token_ids):
+            for ids in spec_token_ids or ():
+                if ids:
+                    ids[0] = 0
+        monkeypatch.setattr(fastbatch, "update_async_spec_token_ids", wrong)
+    else:
+        def wrong(rows, vocab_size, pin_memory=False):  # forgets the masking
+            import torch
+            return torch.tensor([list(r) + [vocab_size] * (max(map(len, rows)) - len(r))
+                                 for r in rows], dtype=torch.int64)
+        monkeypatch.setattr(fastbatch, "output_tokens_tensor", wrong)
+    monkeypatch.setenv("FASTBATCH", "1")
+    vllm_plugin.register()
+    assert vllm_plugin.status()["patches"] == {name: name != broken for name in PATCHES}
+    (error,) = logs.at(logging.ERROR)
+    assert "activation check failed" in error and PATCHES[broken].TARGET in error
 
 
 def test_guard_refuses_a_changed_method(monkeypatch, logs):
@@ -159,9 +306,10 @@ def test_guard_refuses_an_unknown_version(monkeypatch, logs):
     monkeypatch.setattr(vllm, "__version__", "0.34.0")
     monkeypatch.setenv("FASTBATCH", "1")
     vllm_plugin.register()
-    assert InputBatch.update_async_output_token_ids is STOCK_METHOD
-    (warning,) = logs.at(logging.WARNING)
-    assert "vLLM 0.34.0 is not a verified version" in warning
+    assert _stock_everywhere()
+    warnings = logs.at(logging.WARNING)
+    assert len(warnings) == 3
+    assert all("vLLM 0.34.0 is not a verified version" in w for w in warnings)
 
 
 def test_guard_refuses_a_missing_method(monkeypatch, logs):
@@ -179,7 +327,8 @@ def test_force_patches_an_unknown_version(monkeypatch, logs):
     monkeypatch.setenv("FASTBATCH", "force")
     vllm_plugin.register()
     assert InputBatch.update_async_output_token_ids is patch.update_async_output_token_ids
-    assert any("patching anyway" in w for w in logs.at(logging.WARNING))
+    assert vllm_plugin.status()["patches"] == dict.fromkeys(PATCHES, True)
+    assert sum("patching anyway" in w for w in logs.at(logging.WARNING)) == 3
 
 
 def test_force_still_needs_the_activation_check(monkeypatch, logs):
@@ -213,8 +362,9 @@ def test_revert_restores_the_original(monkeypatch):
     monkeypatch.setenv("FASTBATCH", "1")
     vllm_plugin.register()
     assert vllm_plugin.status()["installed"] is True
-    patch.revert()
-    assert InputBatch.update_async_output_token_ids is STOCK_METHOD
+    for module in PATCHES.values():
+        module.revert()
+    assert _stock_everywhere()
     assert patch.original() is None
     assert vllm_plugin.status()["installed"] is False
 

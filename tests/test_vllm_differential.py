@@ -1,28 +1,38 @@
-"""Differential tests against the REAL vLLM 0.33.0 ``InputBatch`` (tox -e vllm).
+"""Differential tests against the REAL vLLM 0.33.0 code (tox -e vllm).
 
 Each generated batch is built twice as a real ``InputBatch`` on the CPU: with
 ``add_request`` for every request and ``remove_request`` for the holes, so the
-request ids, output lists (shared with each ``CachedRequestState``) and
-sampling metadata are vLLM's own.  vLLM's method runs on one copy, fastbatch
-on the other copy's state; every list must come out the same.
+request ids, output lists (shared with each ``CachedRequestState``), spec
+lists (filled by vLLM's ``update_req_spec_token_ids``) and sampling metadata
+are vLLM's own.  vLLM's method runs on one copy, fastbatch on the other;
+every list must come out the same.  The penalties' tensor is compared with
+vLLM's ``_convert_to_tensors`` and, through ``apply_all_penalties``, with the
+penalised logits themselves.
 """
 
 import os
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from hypothesis import given, note, settings
+from hypothesis import strategies as st
 
 from batches import INT32_OUTPUT_ITEMS, Batch, CountingEvent, batches
+from token_lists import SpecBatch, penalty_rows, spec_batches, vllm_0_33_penalty_array
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM is imported
 pytestmark = pytest.mark.vllm
 
 import torch  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.sample.ops import penalties  # noqa: E402
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch  # noqa: E402
 
 import fastbatch  # noqa: E402
-from fastbatch.patches import gpu_input_batch as patch  # noqa: E402
+from fastbatch.patches import async_output_token_ids as patch  # noqa: E402
+from fastbatch.patches import async_spec_token_ids as spec_patch  # noqa: E402
+from fastbatch.patches import penalty_output_tokens as penalty_patch  # noqa: E402
 
 MAX_REQS = 10
 vllm_batches = batches(max_reqs=MAX_REQS, torch_allowed=False, output_items=INT32_OUTPUT_ITEMS)
@@ -166,3 +176,136 @@ def test_bad_tensor_raises_before_any_change(implementation, make_tensor, messag
                                                      make_tensor(), event)
     assert outputs == [[1, -1], [2, -1]]
     assert event.count == 0
+
+
+# --- update_async_spec_token_ids ---------------------------------------------
+
+def _real_spec_batch(batch: SpecBatch):
+    """A real InputBatch with ``batch``'s requests; each spec list filled by
+    vLLM's own ``update_req_spec_token_ids`` with as many placeholders as
+    ``batch`` has (a real batch has no shared or ``None`` spec lists)."""
+    num_reqs = len(batch.req_ids)
+    outputs = Batch(batch.req_ids, {}, [None if r is None else [1] for r in batch.req_ids],
+                    sampled=np.zeros((0, 0), dtype=np.int64))
+    input_batch, states = _real_input_batch(outputs)
+    scheduled = {req_id: [-1] * len(spec or ())
+                 for req_id, spec in zip(batch.req_ids, batch.spec_token_ids, strict=False)
+                 if req_id is not None}
+    for req_id in scheduled:
+        input_batch.update_req_spec_token_ids(states[req_id], scheduled)
+    input_batch.prev_req_id_to_index = dict(batch.prev_req_id_to_index)
+    assert input_batch.sampling_metadata.spec_token_ids is input_batch.spec_token_ids
+    assert len(input_batch.req_ids) == num_reqs
+    return input_batch
+
+
+@pytest.fixture(scope="module")
+def stock_spec_method():
+    """vLLM's own ``update_async_spec_token_ids``, whatever is installed now."""
+    method = spec_patch.original() or InputBatch.update_async_spec_token_ids
+    assert not getattr(method, "__fastbatch__", False)
+    return method
+
+
+@settings(max_examples=EXAMPLES)
+@given(batch=spec_batches(max_reqs=MAX_REQS))
+def test_spec_update_matches_real_input_batch(stock_spec_method, implementation, batch):
+    note(repr(batch))
+    stock, ours = _real_spec_batch(batch), _real_spec_batch(batch)
+    stock_drafts, our_drafts = batch.clone().draft_token_ids, batch.clone().draft_token_ids
+    stock_spec_method(stock, stock_drafts)
+    if our_drafts and ours.prev_req_id_to_index:  # the method's early returns
+        implementation.update_async_spec_token_ids(
+            ours.req_ids, ours.prev_req_id_to_index, ours.sampling_metadata.spec_token_ids,
+            our_drafts)
+    assert ours.spec_token_ids == stock.spec_token_ids
+    assert our_drafts == stock_drafts
+
+
+@settings(max_examples=EXAMPLES)
+@given(batch=spec_batches())
+def test_spec_kernel_matches_vllm_method_with_shared_lists(stock_spec_method,
+                                                          implementation, batch):
+    """vLLM's own method, run on a stand-in holding shared and ``None`` lists."""
+    note(repr(batch))
+    stock, ours = batch.clone(), batch.clone()
+    stock_spec_method(SimpleNamespace(
+        req_ids=stock.req_ids, prev_req_id_to_index=stock.prev_req_id_to_index,
+        sampling_metadata=SimpleNamespace(spec_token_ids=stock.spec_token_ids)),
+        stock.draft_token_ids)
+    if ours.draft_token_ids and ours.prev_req_id_to_index:
+        implementation.update_async_spec_token_ids(*vars(ours).values())
+    assert ours.lists() == stock.lists()
+
+
+@settings(max_examples=EXAMPLES // 4)
+@given(batch=spec_batches(max_reqs=MAX_REQS))
+def test_patched_spec_method_matches_real_input_batch(stock_spec_method, batch):
+    stock, ours = _real_spec_batch(batch), _real_spec_batch(batch)
+    stock_drafts, our_drafts = batch.clone().draft_token_ids, batch.clone().draft_token_ids
+    stock_spec_method(stock, stock_drafts)
+    assert spec_patch.apply()
+    try:
+        InputBatch.update_async_spec_token_ids(ours, our_drafts)
+    finally:
+        spec_patch.revert()
+    assert ours.spec_token_ids == stock.spec_token_ids
+    assert our_drafts == stock_drafts
+
+
+# --- penalties: _convert_to_tensors and apply_all_penalties -------------------
+
+@pytest.fixture(scope="module")
+def unpinned():
+    """vLLM 0.33.0's GPU wheel on a machine without a GPU still says
+    PIN_MEMORY=True, and stock's ``tensor.pin_memory()`` then fails; pinning
+    is checked in test_plugin.py, the values here."""
+    saved, penalties.PIN_MEMORY = penalties.PIN_MEMORY, False
+    yield
+    penalties.PIN_MEMORY = saved
+
+
+VOCAB = 64
+PENALISED_ROWS = st.lists(st.lists(st.one_of(st.integers(0, VOCAB - 1), st.just(-1)),
+                                   max_size=30), max_size=MAX_REQS)
+
+
+@settings(max_examples=EXAMPLES)
+@given(rows=penalty_rows(), vocab_size=st.sampled_from([1, 64, 151_936]))
+def test_penalty_tensor_matches_real_convert_to_tensors(unpinned, implementation, rows,
+                                                        vocab_size):
+    note(repr(rows))
+    original = penalty_patch.original() or penalties._convert_to_tensors
+    expected = original(rows, vocab_size, torch.device("cpu"))
+    expected.masked_fill_(expected == -1, vocab_size)  # as apply_all_penalties does
+    got = implementation.output_tokens_tensor(rows, vocab_size)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    assert torch.equal(got, expected)
+    np.testing.assert_array_equal(got.numpy(), vllm_0_33_penalty_array(rows, vocab_size))
+
+
+@settings(max_examples=EXAMPLES // 4)
+@given(rows=PENALISED_ROWS, seed=st.integers(0, 2**16))
+def test_apply_all_penalties_gives_the_same_logits_patched(unpinned, rows, seed):
+    """The whole of vLLM's penalties, stock and with the patch installed."""
+    generator = torch.Generator().manual_seed(seed)
+    num_reqs = len(rows)
+    logits = torch.randn((num_reqs, VOCAB), generator=generator)
+    prompt = torch.randint(0, VOCAB + 1, (num_reqs, 7), generator=generator)
+    presence = torch.rand(num_reqs, generator=generator)
+    frequency = torch.rand(num_reqs, generator=generator)
+    repetition = 1 + torch.rand(num_reqs, generator=generator)
+
+    def penalised():
+        return penalties.apply_all_penalties(logits.clone(), prompt, presence, frequency,
+                                             repetition, rows)
+
+    stock = penalised()
+    assert penalty_patch.apply()
+    try:
+        fastbatch.reset_stats()
+        patched = penalised()
+        assert fastbatch.stats()["penalty_tensors"] == 1
+    finally:
+        penalty_patch.revert()
+    assert torch.equal(patched, stock)

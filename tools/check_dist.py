@@ -12,8 +12,11 @@ def main(dist: Path) -> None:
     (sdist,) = dist.glob("fastbatch-*.tar.gz")
     assert "-none-any" not in wheel.name, f"{wheel.name} is not a platform wheel"
     names = zipfile.ZipFile(wheel).namelist()
-    for required in ("fastbatch/py.typed", "fastbatch/_kernel.pyi",
-                     "fastbatch/vllm_plugin.py", "fastbatch/patches/gpu_input_batch.py"):
+    for required in ("fastbatch/py.typed", "fastbatch/_kernel.pyi", "fastbatch/vllm_plugin.py",
+                     "fastbatch/patches/_patch.py",
+                     "fastbatch/patches/async_output_token_ids.py",
+                     "fastbatch/patches/async_spec_token_ids.py",
+                     "fastbatch/patches/penalty_output_tokens.py"):
         assert required in names, f"{required} missing from {wheel.name}"
     assert any(n.startswith("fastbatch/_kernel.") and n.endswith(".so") for n in names), \
         f"no compiled kernel in {wheel.name}"

