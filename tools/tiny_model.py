@@ -3,7 +3,8 @@
 No download: the weights are random (fixed seed) and the byte-level BPE
 tokenizer is trained here on a few lines.  Hidden 128, 4 heads (head size 32:
 vLLM's CPU attention rejects smaller heads), 2 layers, vocab 512, float32,
-safetensors; about 1.7 MB and a few seconds.
+safetensors; about 1.7 MB and a few seconds.  Positions up to 4096 (RoPE:
+no weights depend on it), so the benchmark can run long outputs.
 
     python tools/tiny_model.py DIR
 """
@@ -57,7 +58,7 @@ def make_tiny_llama(path: str, seed: int = 0) -> str:
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
-        max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
     )

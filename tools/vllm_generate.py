@@ -9,9 +9,15 @@ but the model runner (V1, the one that calls the replaced method).
     python tools/vllm_generate.py --model DIR --out result.json [--async-scheduling]
 
 The prompts mix sampling settings that need the output history (repetition,
-presence and frequency penalties, bad words) with plain greedy ones; there
-are more prompts than ``max_num_seqs`` and their ``max_tokens`` differ, so
+presence and frequency penalties, bad words) with plain greedy ones
+(``--settings mixed``), or use penalties only (``--settings penalties``);
+there are more prompts than ``max_num_seqs`` and their ``max_tokens`` differ
+(unless one fixed ``--max-tokens`` is given without ``--varied``), so
 requests join and leave mid-flight and rows are remapped between steps.
+``--draft-model DIR`` turns on speculative decoding with that model as the
+drafter (``method="draft_model"``: with async scheduling, vLLM 0.32.0 accepts
+only EAGLE/MTP, draft-model, ``ngram_gpu``, DSpark and DFlash drafters, and
+the CPU backend cannot build ``ngram_gpu``'s pinned buffers).
 """
 
 from __future__ import annotations
@@ -50,7 +56,15 @@ def _bad_words(llm, tokenizer) -> list[str]:
     return words
 
 
-def _settings(bad_words: list[str]) -> list[tuple[str, dict]]:
+def _settings(kind: str, bad_words: list[str]) -> list[tuple[str, dict]]:
+    if kind == "penalties":
+        return [
+            ("repetition_penalty", {"repetition_penalty": 1.3}),
+            ("presence_penalty", {"presence_penalty": 0.8}),
+            ("frequency_penalty", {"frequency_penalty": 0.4}),
+            ("penalties", {"repetition_penalty": 1.1, "presence_penalty": 0.3,
+                           "frequency_penalty": 0.2}),
+        ]
     return [
         ("repetition_penalty", {"repetition_penalty": 1.5}),
         ("presence_penalty", {"presence_penalty": 1.0}),
@@ -66,19 +80,42 @@ def _contains(sequence: list[int], part: list[int]) -> bool:
     return any(sequence[i:i + len(part)] == part for i in range(len(sequence) - len(part) + 1))
 
 
-def _time_replaced_method(timings: dict[str, float]) -> None:
-    """Wrap the (stock or patched) method to time it: in-process runs only."""
-    from vllm.v1.worker.gpu_input_batch import InputBatch
+# What --time-method times (stock or patched, whichever is installed), by
+# FASTBATCH_DISABLE name; "apply_all_penalties" is the whole penalties step
+# around "penalties" (stock masks the -1 placeholders there, after the call).
+TIMED = {
+    "output": ("vllm.v1.worker.gpu_input_batch", "InputBatch", "update_async_output_token_ids"),
+    "spec": ("vllm.v1.worker.gpu_input_batch", "InputBatch", "update_async_spec_token_ids"),
+    "penalties": ("vllm.v1.sample.ops.penalties", None, "_convert_to_tensors"),
+    "apply_all_penalties": ("vllm.v1.sample.sampler vllm.v1.sample.rejection_sampler", None,
+                            "apply_all_penalties"),
+}
 
-    method = InputBatch.update_async_output_token_ids
 
-    def timed(self):
-        start = time.perf_counter()
-        method(self)
-        timings["seconds"] += time.perf_counter() - start
-        timings["calls"] += 1
+def _time_replaced_methods() -> dict[str, dict[str, float]]:
+    """Wrap each function of TIMED to time it: in-process runs only (the
+    worker's model runner must run in this process)."""
+    import importlib
 
-    InputBatch.update_async_output_token_ids = timed
+    timings = {}
+    for name, (modules, owner_name, attribute) in TIMED.items():
+        timing = timings[name] = {"seconds": 0.0, "calls": 0}
+        for module in modules.split():
+            owner = importlib.import_module(module)
+            if owner_name:
+                owner = getattr(owner, owner_name)
+            function = getattr(owner, attribute)
+
+            def timed(*args, _function=function, _timing=timing, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _function(*args, **kwargs)
+                finally:
+                    _timing["seconds"] += time.perf_counter() - start
+                    _timing["calls"] += 1
+
+            setattr(owner, attribute, timed)
+    return timings
 
 
 def main() -> None:
@@ -88,11 +125,21 @@ def main() -> None:
     parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--num-prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--max-tokens", type=int, default=0,
-                        help="fixed max_tokens (default: 8 to 62, varying by prompt)")
+                        help="fixed max_tokens, EOS ignored (default: 8 to 62, varying by "
+                             "prompt)")
+    parser.add_argument("--varied", action="store_true",
+                        help="with --max-tokens N: N/2 to N, varying by prompt")
+    parser.add_argument("--settings", choices=("mixed", "penalties"), default="mixed",
+                        help="mixed: penalties, bad words and plain greedy; penalties: "
+                             "repetition/presence/frequency penalties on every prompt")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--kv-cache-mb", type=int, default=64)
+    parser.add_argument("--draft-model", default=None,
+                        help="speculative decoding with this drafter (method draft_model)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--time-method", action="store_true",
-                        help="time the replaced method (needs in-process vLLM)")
+                        help="time the replaced functions (needs in-process vLLM)")
     parser.add_argument("--no-plain", action="store_true",
                         help="skip the plain-greedy rerun (benchmarks)")
     args = parser.parse_args()
@@ -105,22 +152,29 @@ def main() -> None:
 
     report: dict = {"import_s": time.perf_counter() - started}
     started = time.perf_counter()
+    speculative_config = None if args.draft_model is None else {
+        "method": "draft_model", "model": args.draft_model,
+        "num_speculative_tokens": args.num_speculative_tokens}
     llm = LLM(model=args.model, dtype="float32", max_model_len=args.max_model_len,
               enforce_eager=True, max_num_seqs=args.max_num_seqs,
-              kv_cache_memory_bytes=64 * 2**20, seed=0,
-              async_scheduling=args.async_scheduling)
+              kv_cache_memory_bytes=args.kv_cache_mb * 2**20, seed=0,
+              async_scheduling=args.async_scheduling,
+              speculative_config=speculative_config)
     report["engine_start_s"] = time.perf_counter() - started
     tokenizer = llm.get_tokenizer()
     bad_words = _bad_words(llm, tokenizer)
     banned = [tokenizer.encode(prefix + word, add_special_tokens=False)
               for word in bad_words for prefix in ("", " ")]
 
-    settings = _settings(bad_words)
+    settings = _settings(args.settings, bad_words)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.num_prompts)]
     labels, params, plain = [], [], []
     for i in range(len(prompts)):
         label, extra = settings[i % len(settings)]
-        max_tokens = args.max_tokens or 8 + (i * 23) % 55
+        if args.max_tokens and args.varied:
+            max_tokens = args.max_tokens - (i * 37) % (args.max_tokens // 2 + 1)
+        else:
+            max_tokens = args.max_tokens or 8 + (i * 23) % 55
         ignore_eos = args.max_tokens > 0 or i % 2 == 0
         labels.append(label)
         params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens,
@@ -128,9 +182,7 @@ def main() -> None:
         plain.append(SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                     ignore_eos=ignore_eos))
 
-    method_timings = {"seconds": 0.0, "calls": 0}
-    if args.time_method:
-        _time_replaced_method(method_timings)
+    method_timings = _time_replaced_methods() if args.time_method else {}
     fastbatch.reset_stats()
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -138,7 +190,7 @@ def main() -> None:
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     report["output_tokens"] = sum(map(len, token_ids))
     report["tokens_per_s"] = report["output_tokens"] / report["generate_s"]
-    report["method"] = method_timings
+    report["methods"] = method_timings
     report["workers"] = llm.collective_rpc(fastbatch.vllm_plugin.status)
     plain_ids = [] if args.no_plain else [
         list(o.outputs[0].token_ids) for o in llm.generate(prompts, plain, use_tqdm=False)]
