@@ -38,7 +38,13 @@ cost about 1 us per call, which made a one-request step slower than vLLM's own
 loop.
 """
 
-from cpython.buffer cimport PyBUF_RECORDS_RO, PyBuffer_Release, PyObject_GetBuffer
+from cpython.buffer cimport (
+    PyBUF_RECORDS,
+    PyBUF_RECORDS_RO,
+    PyBuffer_IsContiguous,
+    PyBuffer_Release,
+    PyObject_GetBuffer,
+)
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.object cimport PyObject
@@ -806,30 +812,24 @@ cdef int _fill_row(int64_t* out, object row_ids, Py_ssize_t row, Py_ssize_t size
     return 0
 
 
-def output_tokens_tensor(list output_token_ids not None, vocab_size,
-                         bint pin_memory=False):
-    """The penalties' padded ``[num_reqs, max_len]`` int64 CPU tensor.
-
-    Exactly what vLLM's penalties compute from ``output_token_ids`` before
-    scattering them (``_convert_to_tensors`` and the ``masked_fill_`` of
-    ``apply_all_penalties``): row ``i`` holds request ``i``'s token ids with
-    every ``-1`` placeholder replaced by ``vocab_size``, padded with
-    ``vocab_size`` to the longest row.  Written straight into a new torch
-    tensor (pinned if ``pin_memory``), without vLLM's intermediate numpy array.
-    """
-    global _torch_empty, _torch_int64, _penalty_tensors, _penalty_tokens
-    cdef Py_ssize_t i, size, max_len = 0, total = 0
-    cdef Py_ssize_t num_rows = PyList_GET_SIZE(output_token_ids)
+cdef int64_t _as_pad(object vocab_size) except? -1:
+    """``vocab_size``, checked: the pad value and the mask of -1."""
     cdef int64_t pad
-    cdef int64_t* data
-    cdef PyObject* row_ids
     try:
         pad = vocab_size.__index__()
     except (AttributeError, OverflowError):
         raise TypeError(f"vocab_size must be an int64, got {vocab_size!r}") from None
     if pad < 0:
         raise ValueError(f"vocab_size must not be negative, got {pad}")
-    for i in range(num_rows):
+    return pad
+
+
+cdef Py_ssize_t _longest_row(list output_token_ids, Py_ssize_t* total) except -1:
+    """Pass 1: check that every row is a list or tuple; the longest length."""
+    cdef Py_ssize_t i, size, max_len = 0
+    cdef PyObject* row_ids
+    total[0] = 0
+    for i in range(PyList_GET_SIZE(output_token_ids)):
         row_ids = PyList_GET_ITEM(output_token_ids, i)
         if not (PyList_Check(row_ids) or PyTuple_Check(row_ids)):
             raise TypeError(
@@ -837,17 +837,22 @@ def output_tokens_tensor(list output_token_ids not None, vocab_size,
                 f"got {type(<object>row_ids).__name__}"
             )
         size = Py_SIZE(row_ids)
-        total += size
+        total[0] += size
         if size > max_len:
             max_len = size
-    if _torch_empty is None:
-        import torch
-        _torch_empty, _torch_int64 = torch.empty, torch.int64
-    tensor = _torch_empty((num_rows, max_len), dtype=_torch_int64,
-                          pin_memory=pin_memory)
-    data = <int64_t*><uintptr_t>tensor.data_ptr()
+    return max_len
+
+
+cdef int _fill_rows(list output_token_ids, Py_ssize_t num_rows, int64_t* data,
+                    Py_ssize_t max_len, int64_t pad) except -1:
+    """Pass 2: every row into ``data`` (``num_rows`` x ``max_len``, C order).
+
+    Python code ran since pass 1 (the allocation): check that the batch still
+    fits before writing, never past ``max_len``."""
+    cdef Py_ssize_t i, size
+    cdef PyObject* row_ids
+    global _penalty_tensors
     for i in range(num_rows):
-        # torch.empty ran Python code: check that the batch is still the same
         if i >= PyList_GET_SIZE(output_token_ids):
             raise RuntimeError("output_token_ids changed while it was being read")
         row_ids = PyList_GET_ITEM(output_token_ids, i)
@@ -859,5 +864,58 @@ def output_tokens_tensor(list output_token_ids not None, vocab_size,
                 f"output_token_ids[{i}] changed while it was being read")
         _fill_row(data + i * max_len, <object>row_ids, i, size, max_len, pad)
     _penalty_tensors += 1
+    return 0
+
+
+def output_tokens_tensor(list output_token_ids not None, vocab_size,
+                         bint pin_memory=False):
+    """The penalties' padded ``[num_reqs, max_len]`` int64 CPU tensor.
+
+    Exactly what vLLM's penalties compute from ``output_token_ids`` before
+    scattering them (``_convert_to_tensors`` and the ``masked_fill_`` of
+    ``apply_all_penalties``): row ``i`` holds request ``i``'s token ids with
+    every ``-1`` placeholder replaced by ``vocab_size``, padded with
+    ``vocab_size`` to the longest row.  Written straight into a new torch
+    tensor (pinned if ``pin_memory``), without vLLM's intermediate numpy array.
+    """
+    global _torch_empty, _torch_int64, _penalty_tokens
+    cdef Py_ssize_t total
+    cdef Py_ssize_t num_rows = PyList_GET_SIZE(output_token_ids)
+    cdef int64_t pad = _as_pad(vocab_size)
+    cdef Py_ssize_t max_len = _longest_row(output_token_ids, &total)
+    if _torch_empty is None:
+        import torch
+        _torch_empty, _torch_int64 = torch.empty, torch.int64
+    tensor = _torch_empty((num_rows, max_len), dtype=_torch_int64,
+                          pin_memory=pin_memory)
+    _fill_rows(output_token_ids, num_rows, <int64_t*><uintptr_t>tensor.data_ptr(),
+               max_len, pad)
     _penalty_tokens += total
     return tensor
+
+
+def _fill_output_tokens(list output_token_ids not None, vocab_size, out):
+    """``output_tokens_tensor``'s values written into ``out`` instead: a
+    writable, C-contiguous 2-D int64 buffer of shape (rows, longest row), a
+    numpy array say.  The same code path, for the tests on interpreters that
+    have no torch (the int reads differ between CPython 3.11 and 3.12)."""
+    global _penalty_tokens
+    cdef Py_ssize_t total
+    cdef Py_ssize_t num_rows = PyList_GET_SIZE(output_token_ids)
+    cdef int64_t pad = _as_pad(vocab_size)
+    cdef Py_ssize_t max_len = _longest_row(output_token_ids, &total)
+    cdef Py_buffer buffer
+    PyObject_GetBuffer(out, &buffer, PyBUF_RECORDS)
+    try:
+        if (buffer.ndim != 2 or buffer.itemsize != 8
+                or buffer.format[0] not in (b"q", b"l")
+                or not PyBuffer_IsContiguous(&buffer, b"C")
+                or buffer.shape[0] != num_rows or buffer.shape[1] != max_len):
+            raise ValueError(
+                f"out must be a C-contiguous int64 array of shape ({num_rows}, "
+                f"{max_len})")
+        _fill_rows(output_token_ids, num_rows, <int64_t*>buffer.buf, max_len, pad)
+    finally:
+        PyBuffer_Release(&buffer)
+    _penalty_tokens += total
+    return out
