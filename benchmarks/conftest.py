@@ -12,16 +12,31 @@ with warnings.catch_warnings():
 
 
 @pytest.fixture(scope="session")
-def floor_update():
+def floor_module():
     """benchmarks/floor.pyx, compiled on first use with the interpreter's flags."""
     import pyximport
 
     importers = pyximport.install(language_level=3, inplace=False)
     try:
-        from floor import floor_update
+        import floor
     finally:
         pyximport.uninstall(*importers)
-    return floor_update
+    return floor
+
+
+@pytest.fixture(scope="session")
+def floor_update(floor_module):
+    return floor_module.floor_update
+
+
+@pytest.fixture(scope="session")
+def spec_floor_update(floor_module):
+    """The spec floor as a method, like the other variants."""
+    def method(batch, draft_token_ids):
+        floor_module.spec_floor_update(batch.req_ids, batch.prev_req_id_to_index,
+                                       batch.sampling_metadata.spec_token_ids,
+                                       draft_token_ids)
+    return method
 
 
 @pytest.fixture(scope="session")

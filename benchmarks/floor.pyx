@@ -1,11 +1,12 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""The floor: the work no implementation of the update can skip.
+"""The floors: the work no implementation of an update can skip.
 
-Per request one dict lookup (request id -> row) and one list store of the
-sampled id (a new int object over the last placeholder); no validation, no
-placeholder scan, no spec decode.  Built by benchmarks/conftest.py with the
-same compiler and flags as the kernel; the one-placeholder benchmarks compare
-fastbatch with it.
+``floor_update`` (output tokens): per request one dict lookup (request id ->
+row) and one list store of the sampled id (a new int object over the last
+placeholder); no validation, no placeholder scan, no spec decode.
+``spec_floor_update`` (spec tokens): see its docstring.  Built by
+benchmarks/conftest.py with the same compiler and flags as the kernel; the
+benchmarks compare fastbatch with them.
 """
 
 from cpython.object cimport PyObject
@@ -18,6 +19,8 @@ cdef extern from "Python.h":
     PyObject* new_int "PyLong_FromLongLong"(long long value) except NULL
     void list_set_item "PyList_SET_ITEM"(PyObject* lst, Py_ssize_t i, PyObject* item)
     void Py_DECREF(PyObject* o)
+    void Py_INCREF(PyObject* o)
+    void Py_SET_SIZE(PyObject* o, Py_ssize_t size)
 
 
 def floor_update(list req_ids, dict prev_req_id_to_index, list output_token_ids,
@@ -40,3 +43,44 @@ def floor_update(list req_ids, dict prev_req_id_to_index, list output_token_ids,
         old = PyList_GET_ITEM(token_ids, last)
         list_set_item(token_ids, last, new_int(ids[row * row_stride]))
         Py_DECREF(old)
+
+
+def spec_floor_update(list req_ids, dict prev_req_id_to_index, list spec_token_ids,
+                      list draft_token_ids):
+    """The spec-token update's floor: per request one dict lookup, then the
+    draft row's first items copied over the spec list's in place and both
+    lists cut to the shorter length; no validation, no aliasing care.  Gives
+    vLLM's result on the benchmark's states (no ``None``, no shared lists)."""
+    cdef Py_ssize_t index, j, row, count, spec_size, draft_size
+    cdef PyObject* prev_index
+    cdef PyObject* spec
+    cdef PyObject* draft
+    cdef PyObject* item
+    cdef PyObject* old
+    for index in range(len(req_ids)):
+        spec = PyList_GET_ITEM(<PyObject*>spec_token_ids, index)
+        spec_size = PyList_GET_SIZE(spec)
+        if spec_size == 0:
+            continue
+        prev_index = PyDict_GetItemWithError(<PyObject*>prev_req_id_to_index,
+                                             PyList_GET_ITEM(<PyObject*>req_ids, index))
+        if prev_index == NULL:
+            continue
+        row = PyLong_AsSsize_t(prev_index)
+        draft = PyList_GET_ITEM(<PyObject*>draft_token_ids, row)
+        draft_size = PyList_GET_SIZE(draft)
+        if draft_size == 0:
+            continue
+        count = draft_size if draft_size < spec_size else spec_size
+        for j in range(count):
+            item = PyList_GET_ITEM(draft, j)
+            Py_INCREF(item)
+            old = PyList_GET_ITEM(spec, j)
+            list_set_item(spec, j, item)
+            Py_DECREF(old)
+        for j in range(count, spec_size):
+            Py_DECREF(PyList_GET_ITEM(spec, j))
+        Py_SET_SIZE(spec, count)
+        for j in range(count, draft_size):
+            Py_DECREF(PyList_GET_ITEM(draft, j))
+        Py_SET_SIZE(draft, count)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = ("stock", "forward_scan", "fastbatch", "fallback", "floor")
-SPEC_VARIANTS = ("stock", "fastbatch", "fallback")
+SPEC_VARIANTS = ("stock", "fastbatch", "fallback", "floor")
 PENALTY_VARIANTS = ("stock", "stock_convert", "fastbatch", "fallback")
 BENCHMARK_FILES = ("test_update_benchmarks.py", "test_spec_benchmarks.py",
                    "test_penalty_benchmarks.py")
@@ -155,18 +155,22 @@ def print_group_tables(spec: dict, penalty: dict) -> None:
     """The spec-token update and the penalties' tensor, with the ratios stock /
     fastbatch (and, for the penalties, vLLM's conversion alone / fastbatch)."""
     def print_rows(variants, ratios, rows):
+        over_floor = "floor" in variants
         print(f"{'cell':<22}" + "".join(f"{v:>14}" for v in variants)
-              + "".join(f"{'vs ' + r.removeprefix('stock_'):>11}" for r in ratios))
+              + "".join(f"{'vs ' + r.removeprefix('stock_'):>11}" for r in ratios)
+              + (f"{'/ floor':>9}" if over_floor else ""))
         for label, times in rows:
             print(f"{label:<22}"
                   + "".join(f"{times[v] * 1e6:>14.2f}" if v in times else f"{'-':>14}"
                             for v in variants)
                   + "".join(f"{times[r] / times['fastbatch']:>10.1f}x" if r in times
-                            else f"{'-':>11}" for r in ratios))
+                            else f"{'-':>11}" for r in ratios)
+                  + ((f"{times['fastbatch'] / times['floor']:>9.2f}" if "floor" in times
+                      else f"{'-':>9}") if over_floor else ""))
 
     if spec:
         print("\nInputBatch.update_async_spec_token_ids, median time per step, microseconds"
-              " (k: draft tokens per request)")
+              " (k: draft tokens per request; / floor: fastbatch time over the floor's)")
         print_rows(SPEC_VARIANTS, ("stock",),
                    ((f"spec tokens {n} k={k}", times) for (n, k), times in sorted(spec.items())))
     if penalty:
@@ -187,7 +191,8 @@ def plot_groups(spec: dict, penalty: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, (spec_axes, penalty_axes) = plt.subplots(1, 2, figsize=(12, 4.8))
-    colours = {"stock": "C3", "stock_convert": "C1", "fastbatch": "C0", "fallback": "C7"}
+    colours = {"stock": "C3", "stock_convert": "C1", "fastbatch": "C0", "fallback": "C7",
+               "floor": "C2"}
     for variant, colour in colours.items():
         for k, style in zip(sorted({k for _, k in spec}), ("o:", "s-", "^--"), strict=False):
             points = sorted((n, v[variant]) for (n, kk), v in spec.items()
