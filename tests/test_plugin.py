@@ -383,7 +383,7 @@ def test_patched_method_counts_its_work(monkeypatch):
 def test_ray_workers_get_the_switch_from_the_driver(monkeypatch):
     """The README's Ray claim, checked on vLLM's own code (Ray itself is not installed).
 
-    The Ray executor sends the driver's environment minus worker-specific
+    The Ray executor sends the driver's environment (both switches) minus worker-specific
     variables (get_driver_env_vars), and RayWorkerProc.initialize_worker
     applies it before the worker starts, which is when plugins are loaded.
     """
@@ -395,7 +395,9 @@ def test_ray_workers_get_the_switch_from_the_driver(monkeypatch):
     from vllm.v1.executor.ray_utils import WORKER_SPECIFIC_ENV_VARS
 
     monkeypatch.setenv("FASTBATCH", "1")
-    assert get_driver_env_vars(WORKER_SPECIFIC_ENV_VARS)["FASTBATCH"] == "1"
+    monkeypatch.setenv("FASTBATCH_DISABLE", "penalties")
+    sent = get_driver_env_vars(WORKER_SPECIFIC_ENV_VARS)
+    assert sent["FASTBATCH"] == "1" and sent["FASTBATCH_DISABLE"] == "penalties"
 
     source = pathlib.Path(vllm.__file__).parent / "v1/executor/ray_executor_v2.py"
     (initialize_worker,) = [
