@@ -824,11 +824,10 @@ cdef int64_t _as_pad(object vocab_size) except? -1:
     return pad
 
 
-cdef Py_ssize_t _longest_row(list output_token_ids, Py_ssize_t* total) except -1:
+cdef Py_ssize_t _longest_row(list output_token_ids) except -1:
     """Pass 1: check that every row is a list or tuple; the longest length."""
     cdef Py_ssize_t i, size, max_len = 0
     cdef PyObject* row_ids
-    total[0] = 0
     for i in range(PyList_GET_SIZE(output_token_ids)):
         row_ids = PyList_GET_ITEM(output_token_ids, i)
         if not (PyList_Check(row_ids) or PyTuple_Check(row_ids)):
@@ -837,7 +836,6 @@ cdef Py_ssize_t _longest_row(list output_token_ids, Py_ssize_t* total) except -1
                 f"got {type(<object>row_ids).__name__}"
             )
         size = Py_SIZE(row_ids)
-        total[0] += size
         if size > max_len:
             max_len = size
     return max_len
@@ -848,10 +846,11 @@ cdef int _fill_rows(list output_token_ids, Py_ssize_t num_rows, int64_t* data,
     """Pass 2: every row into ``data`` (``num_rows`` x ``max_len``, C order).
 
     Python code ran since pass 1 (the allocation): check that the batch still
-    fits before writing, never past ``max_len``."""
-    cdef Py_ssize_t i, size
+    fits before writing, never past ``max_len``.  Counts the tensor and its
+    token ids in ``stats()`` once every row is written."""
+    global _penalty_tensors, _penalty_tokens
+    cdef Py_ssize_t i, size, total = 0
     cdef PyObject* row_ids
-    global _penalty_tensors
     for i in range(num_rows):
         if i >= PyList_GET_SIZE(output_token_ids):
             raise RuntimeError("output_token_ids changed while it was being read")
@@ -863,7 +862,9 @@ cdef int _fill_rows(list output_token_ids, Py_ssize_t num_rows, int64_t* data,
             raise RuntimeError(
                 f"output_token_ids[{i}] changed while it was being read")
         _fill_row(data + i * max_len, <object>row_ids, i, size, max_len, pad)
+        total += size
     _penalty_tensors += 1
+    _penalty_tokens += total
     return 0
 
 
@@ -878,11 +879,10 @@ def output_tokens_tensor(list output_token_ids not None, vocab_size,
     ``vocab_size`` to the longest row.  Written straight into a new torch
     tensor (pinned if ``pin_memory``), without vLLM's intermediate numpy array.
     """
-    global _torch_empty, _torch_int64, _penalty_tokens
-    cdef Py_ssize_t total
+    global _torch_empty, _torch_int64
     cdef Py_ssize_t num_rows = PyList_GET_SIZE(output_token_ids)
     cdef int64_t pad = _as_pad(vocab_size)
-    cdef Py_ssize_t max_len = _longest_row(output_token_ids, &total)
+    cdef Py_ssize_t max_len = _longest_row(output_token_ids)
     if _torch_empty is None:
         import torch
         _torch_empty, _torch_int64 = torch.empty, torch.int64
@@ -890,7 +890,6 @@ def output_tokens_tensor(list output_token_ids not None, vocab_size,
                           pin_memory=pin_memory)
     _fill_rows(output_token_ids, num_rows, <int64_t*><uintptr_t>tensor.data_ptr(),
                max_len, pad)
-    _penalty_tokens += total
     return tensor
 
 
@@ -899,11 +898,9 @@ def _fill_output_tokens(list output_token_ids not None, vocab_size, out):
     writable, C-contiguous 2-D int64 buffer of shape (rows, longest row), a
     numpy array say.  The same code path, for the tests on interpreters that
     have no torch (the int reads differ between CPython 3.11 and 3.12)."""
-    global _penalty_tokens
-    cdef Py_ssize_t total
     cdef Py_ssize_t num_rows = PyList_GET_SIZE(output_token_ids)
     cdef int64_t pad = _as_pad(vocab_size)
-    cdef Py_ssize_t max_len = _longest_row(output_token_ids, &total)
+    cdef Py_ssize_t max_len = _longest_row(output_token_ids)
     cdef Py_buffer buffer
     PyObject_GetBuffer(out, &buffer, PyBUF_RECORDS)
     try:
@@ -917,5 +914,4 @@ def _fill_output_tokens(list output_token_ids not None, vocab_size, out):
         _fill_rows(output_token_ids, num_rows, <int64_t*>buffer.buf, max_len, pad)
     finally:
         PyBuffer_Release(&buffer)
-    _penalty_tokens += total
     return out

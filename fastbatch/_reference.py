@@ -45,6 +45,14 @@ def reset_stats() -> None:
     _stats.update(dict.fromkeys(_STATS_KEYS, 0))
 
 
+def _check_types(**arguments: tuple[object, type]) -> None:
+    """The kernel's ``list``/``dict`` argument types: TypeError naming the argument."""
+    for name, (value, kind) in arguments.items():
+        if not isinstance(value, kind):
+            raise TypeError(f"{name} must be a {kind.__name__}, "
+                            f"got {type(value).__name__}")
+
+
 def _is_placeholder(item: object, request: int, position: int) -> bool:
     if not isinstance(item, int):
         raise TypeError(f"output_token_ids[{request}][{position}] must be an "
@@ -123,12 +131,8 @@ def update_async_output_token_ids(
 
     Returns the number of requests whose output list was updated.
     """
-    for name, value, kind in (("req_ids", req_ids, list),
-                              ("prev_req_id_to_index", prev_req_id_to_index, dict),
-                              ("output_token_ids", output_token_ids, list)):
-        if not isinstance(value, kind):
-            raise TypeError(f"{name} must be a {kind.__name__}, "
-                            f"got {type(value).__name__}")
+    _check_types(req_ids=(req_ids, list), prev_req_id_to_index=(prev_req_id_to_index, dict),
+                 output_token_ids=(output_token_ids, list))
     if len(output_token_ids) != len(req_ids):
         raise IndexError(f"output_token_ids has {len(output_token_ids)} entries "
                          f"but req_ids has {len(req_ids)}")
@@ -203,13 +207,8 @@ def update_async_spec_token_ids(
     ``prev_index`` is an int in ``range(len(draft_token_ids))``.  Returns the
     number of requests updated.
     """
-    for name, value, kind in (("req_ids", req_ids, list),
-                              ("prev_req_id_to_index", prev_req_id_to_index, dict),
-                              ("spec_token_ids", spec_token_ids, list),
-                              ("draft_token_ids", draft_token_ids, list)):
-        if not isinstance(value, kind):
-            raise TypeError(f"{name} must be a {kind.__name__}, "
-                            f"got {type(value).__name__}")
+    _check_types(req_ids=(req_ids, list), prev_req_id_to_index=(prev_req_id_to_index, dict),
+                 spec_token_ids=(spec_token_ids, list), draft_token_ids=(draft_token_ids, list))
     _stats["spec_calls"] += 1
 
     # Pass 1: plan.  An empty list is never made non-empty by the loop (it
@@ -273,9 +272,7 @@ def output_tokens_tensor(output_token_ids: list[list[int]], vocab_size: int,
     """
     import torch
 
-    if not isinstance(output_token_ids, list):
-        raise TypeError("output_token_ids must be a list, "
-                        f"got {type(output_token_ids).__name__}")
+    _check_types(output_token_ids=(output_token_ids, list))
     try:
         pad = operator.index(vocab_size)
     except TypeError:

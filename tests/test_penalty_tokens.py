@@ -5,10 +5,6 @@ vLLM's ``make_ndarray_with_pad`` and masking transcribed;
 ``test_vllm_differential.py`` repeats this against the real functions.
 """
 
-import gc
-import sys
-import tracemalloc
-
 import numpy as np
 import pytest
 import torch
@@ -18,6 +14,7 @@ from hypothesis import strategies as st
 import fastbatch
 from batches import Token
 from fastbatch import _reference
+from leaks import assert_no_leak
 from token_lists import penalty_rows, vllm_0_33_penalty_array
 
 VOCAB_SIZES = st.sampled_from([0, 1, 100, 151_936, 2**40])
@@ -142,17 +139,4 @@ def test_no_leak_on_success_or_error():
 
     for _ in range(100):
         step()
-    watched = [rows, bad_rows, *rows, rows[0][0]]
-    refcounts = [sys.getrefcount(obj) for obj in watched]
-    gc.collect()
-    tracemalloc.start()
-    try:
-        baseline = tracemalloc.get_traced_memory()[0]
-        for _ in range(1000):
-            step()
-        gc.collect()
-        grown = tracemalloc.get_traced_memory()[0] - baseline
-    finally:
-        tracemalloc.stop()
-    assert [sys.getrefcount(obj) for obj in watched] == refcounts
-    assert grown < 64 * 1024, f"traced memory grew by {grown} bytes"
+    assert_no_leak(step, [rows, bad_rows, *rows, rows[0][0]], 1000)

@@ -1,19 +1,12 @@
-"""The compiled kernel neither leaks references nor memory, on success or error.
-
-A leaked reference to a freshly created token id keeps that int alive for
-ever, so it shows up as traced memory that grows with the number of calls;
-a leaked reference to an argument shows up in ``sys.getrefcount``.
-"""
-
-import gc
-import sys
-import tracemalloc
+"""The compiled output-token update neither leaks references nor memory, on
+success or error (the check itself: ``leaks.assert_no_leak``)."""
 
 import numpy as np
 import pytest
 
 import fastbatch._kernel as kernel
 from batches import CountingEvent
+from leaks import assert_no_leak
 
 NUM_REQS = 64
 CALLS = 3000
@@ -55,24 +48,9 @@ def test_no_leak_on_success(spec_decode, first_id):
         step()
     token = outputs[0][3]  # a written id: shared ones must not gain references
     step()  # the list now holds the same shared id again, or a new one
-    watched = [req_ids, prev, sampled, event, token, *req_ids, *outputs]
-    refcounts = [sys.getrefcount(obj) for obj in watched]
-    gc.collect()
-    objects = len(gc.get_objects())
-    tracemalloc.start()
-    try:
-        baseline = tracemalloc.get_traced_memory()[0]
-        for _ in range(CALLS):
-            step()
-        gc.collect()
-        grown = tracemalloc.get_traced_memory()[0] - baseline
-    finally:
-        tracemalloc.stop()
+    assert_no_leak(step, [req_ids, prev, sampled, event, token, *req_ids, *outputs],
+                   CALLS)
     assert outputs[0][3] == sampled[prev["r0"], 0]  # it really wrote ids
-    assert [sys.getrefcount(obj) for obj in watched] == refcounts
-    assert len(gc.get_objects()) - objects < 50
-    # A leak of one id per request per call would be >= 5 MB here.
-    assert grown < 64 * 1024, f"traced memory grew by {grown} bytes"
 
 
 def test_no_leak_on_errors():
@@ -86,24 +64,14 @@ def test_no_leak_on_errors():
         (req_ids, prev, outputs[:-1], sampled),
         (req_ids, {**prev, "r5": 10**30}, outputs, sampled),
     ]
-    watched = [req_ids, prev, outputs, sampled, *outputs]
-    for args in bad_cases:  # warm up
-        with pytest.raises((TypeError, IndexError)):
-            kernel.update_async_output_token_ids(*args)
-    refcounts = [sys.getrefcount(obj) for obj in watched]
-    tracemalloc.start()
-    try:
-        baseline = tracemalloc.get_traced_memory()[0]
-        for _ in range(CALLS // 10):
-            for args in bad_cases:
-                with pytest.raises((TypeError, IndexError)):
-                    kernel.update_async_output_token_ids(*args)
-        gc.collect()
-        grown = tracemalloc.get_traced_memory()[0] - baseline
-    finally:
-        tracemalloc.stop()
-    assert [sys.getrefcount(obj) for obj in watched] == refcounts
-    assert grown < 64 * 1024, f"traced memory grew by {grown} bytes"
+
+    def step():
+        for args in bad_cases:
+            with pytest.raises((TypeError, IndexError)):
+                kernel.update_async_output_token_ids(*args)
+
+    step()  # warm up
+    assert_no_leak(step, [req_ids, prev, outputs, sampled, *outputs], CALLS // 10)
 
 
 def test_buffer_released_after_each_call():

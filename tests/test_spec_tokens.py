@@ -5,8 +5,6 @@ transcribed; ``test_vllm_differential.py`` repeats this on the real class.
 """
 
 import gc
-import sys
-import tracemalloc
 
 import pytest
 from hypothesis import given, note
@@ -14,6 +12,7 @@ from hypothesis import strategies as st
 
 import fastbatch
 from fastbatch import _reference
+from leaks import assert_no_leak
 from token_lists import SpecBatch, spec_batches, vllm_0_33_spec_loop
 
 
@@ -208,18 +207,5 @@ def test_no_leak_on_success_or_error():
 
     for _ in range(200):
         step()
-    watched = [req_ids, prev, bad_prev, spec, *spec, *req_ids]
-    refcounts = [sys.getrefcount(obj) for obj in watched]
-    gc.collect()
-    tracemalloc.start()
-    try:
-        baseline = tracemalloc.get_traced_memory()[0]
-        for _ in range(2000):
-            step()
-        gc.collect()
-        grown = tracemalloc.get_traced_memory()[0] - baseline
-    finally:
-        tracemalloc.stop()
+    assert_no_leak(step, [req_ids, prev, bad_prev, spec, *spec, *req_ids], 2000)
     assert spec[0] == [300_063, 300_064, 300_065]  # it really copied the drafts
-    assert [sys.getrefcount(obj) for obj in watched] == refcounts
-    assert grown < 64 * 1024, f"traced memory grew by {grown} bytes"
