@@ -169,7 +169,8 @@ def _us(row: dict | None) -> str:
 def _calls(row: dict | None) -> str:
     if row is None or row["calls_per_step"] is None:
         return ""
-    return f"{row['calls_per_step']:.3g}"
+    calls = row["calls_per_step"]
+    return f"{calls:.0f}" if calls >= 100 else f"{calls:.3g}"
 
 
 def markdown_config(result: dict) -> list[str]:
