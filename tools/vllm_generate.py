@@ -24,6 +24,9 @@ requests join and leave mid-flight and rows are remapped between steps.
 drafter (``method="draft_model"``: with async scheduling, vLLM 0.32.0 accepts
 only EAGLE/MTP, draft-model, ``ngram_gpu``, DSpark and DFlash drafters, and
 the CPU backend cannot build ``ngram_gpu``'s pinned buffers).
+``--executor ray`` runs the worker as a Ray actor through vLLM's Ray executor
+(``distributed_executor_backend="ray"``) on a small local Ray instance that
+this script starts and stops; see ``_start_ray``.
 """
 
 from __future__ import annotations
@@ -116,6 +119,46 @@ def _in_process_engine_core(llm):
     return core
 
 
+def _fastbatch_environment() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if name.startswith("FASTBATCH")}
+
+
+def _start_ray():
+    """Start a small local Ray instance for vLLM's Ray executor.
+
+    Ray's processes (GCS, raylet, and the worker processes the raylet spawns)
+    are started without the ``FASTBATCH*`` variables, as on a node started
+    with ``ray start`` elsewhere: a vLLM worker then has them only if vLLM's
+    Ray executor copies them from the driver (``get_driver_env_vars``).  The
+    returned reference is a plain Ray task's view of them: ``{}`` shows that
+    Ray itself did not carry them.
+
+    vLLM's CPU platform has no Ray device key: on it, the test plugin's
+    ``ray_on_cpu`` gives it one, here and (as a Ray worker setup hook) in
+    every Ray worker process, and the instance declares one logical GPU per
+    worker (tests/e2e_plugin/fastbatch_e2e_async_cpu.py says why).
+    """
+    import ray
+    from vllm.platforms import current_platform
+
+    options: dict = {}
+    if current_platform.is_cpu():
+        from fastbatch_e2e_async_cpu import ray_on_cpu
+
+        ray_on_cpu()
+        options = {"num_gpus": 1, "runtime_env": {
+            "worker_process_setup_hook": "fastbatch_e2e_async_cpu.ray_on_cpu"}}
+    switches = _fastbatch_environment()
+    for name in switches:
+        del os.environ[name]
+    try:
+        ray.init(num_cpus=1, include_dashboard=False, object_store_memory=100 * 2**20,
+                 **options)
+    finally:
+        os.environ.update(switches)
+    return ray.remote(_fastbatch_environment).remote()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
@@ -152,6 +195,9 @@ def main() -> None:
                         help="with --profile-step: max_tokens of the warm-up generate")
     parser.add_argument("--no-plain", action="store_true",
                         help="skip the plain-greedy rerun (benchmarks)")
+    parser.add_argument("--executor", choices=("default", "ray"), default="default",
+                        help="ray: vLLM's Ray executor on a local Ray instance started "
+                             "here (one worker)")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -160,8 +206,9 @@ def main() -> None:
 
     import fastbatch.vllm_plugin
 
-    report: dict = {"import_s": time.perf_counter() - started}
+    report: dict = {"import_s": time.perf_counter() - started, "executor": args.executor}
     started = time.perf_counter()
+    ray_task_environment = _start_ray() if args.executor == "ray" else None
     speculative_config = None if args.draft_model is None else {
         "method": "draft_model", "model": args.draft_model,
         "num_speculative_tokens": args.num_speculative_tokens}
@@ -170,7 +217,8 @@ def main() -> None:
               kv_cache_memory_bytes=args.kv_cache_mb * 2**20, seed=0,
               async_scheduling=args.async_scheduling,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              speculative_config=speculative_config)
+              speculative_config=speculative_config,
+              distributed_executor_backend="ray" if args.executor == "ray" else None)
     report["engine_start_s"] = time.perf_counter() - started
     tokenizer = llm.get_tokenizer()
     bad_words = _bad_words(llm, tokenizer) if args.settings == "mixed" else []
@@ -228,8 +276,18 @@ def main() -> None:
             [i, part] for i, (label, ids) in enumerate(zip(labels, token_ids, strict=True))
             if label in ("bad_words", "all") for part in banned if _contains(ids, part)],
     )
+    if ray_task_environment is not None:
+        import ray
+
+        report.update(ray_version=ray.__version__,
+                      ray_task_environment=ray.get(ray_task_environment))
     with open(args.out, "w") as out:
         json.dump(report, out)
+    if args.executor == "ray":
+        import ray
+
+        llm.llm_engine.engine_core.shutdown()
+        ray.shutdown()
 
 
 if __name__ == "__main__":
