@@ -120,6 +120,7 @@ def _in_process_engine_core(llm):
 
 
 def _fastbatch_environment() -> dict[str, str]:
+    """fastbatch's switches in this process's environment (also run as a Ray task)."""
     return {name: value for name, value in os.environ.items() if name.startswith("FASTBATCH")}
 
 
@@ -281,13 +282,10 @@ def main() -> None:
 
         report.update(ray_version=ray.__version__,
                       ray_task_environment=ray.get(ray_task_environment))
+        llm.llm_engine.engine_core.shutdown()  # the engine's Ray actor, then Ray
+        ray.shutdown()
     with open(args.out, "w") as out:
         json.dump(report, out)
-    if args.executor == "ray":
-        import ray
-
-        llm.llm_engine.engine_core.shutdown()
-        ray.shutdown()
 
 
 if __name__ == "__main__":
