@@ -74,7 +74,7 @@ cdef int _get_array(object array, Py_buffer* view, const char* name, int ndim,
         raise TypeError(f"{wanted}, got {type(array).__name__}")
     try:
         PyObject_GetBuffer(array, view, PyBUF_STRIDES | PyBUF_FORMAT | PyBUF_WRITABLE)
-    except BufferError as exc:
+    except (BufferError, ValueError) as exc:  # numpy: ValueError if read-only
         raise TypeError(f"{wanted} ({exc})") from None
     found = view.format
     if found == NULL:

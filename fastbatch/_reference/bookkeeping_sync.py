@@ -6,6 +6,7 @@ Same signature, rules, errors and counters as
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from fastbatch._reference._common import Counters, check_types
@@ -51,6 +52,8 @@ def append_sampled_token_ids(
     Checked before anything changes: then AssertionError (vLLM's,
     ``end > max_model_len``), KeyError, IndexError, TypeError, OverflowError.
     """
+    num_sampled_tokens, max_model_len = (operator.index(num_sampled_tokens),
+                                         operator.index(max_model_len))
     check_types(req_ids=(req_ids, list), requests=(requests, dict))
     if valid_sampled_token_ids is not None:
         check_types(valid_sampled_token_ids=(valid_sampled_token_ids, list))
