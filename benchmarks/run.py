@@ -4,8 +4,9 @@
     python benchmarks/run.py --out results   # inside an environment that has it
 
 Runs benchmarks/test_update_benchmarks.py, test_spec_benchmarks.py,
-test_penalty_benchmarks.py and test_bookkeeping_benchmarks.py (pytest-benchmark; every variant on identical fresh
-state each round, each checked against stock vLLM), then prints the medians
+test_penalty_benchmarks.py and test_bookkeeping_benchmarks.py
+(pytest-benchmark; every variant on identical fresh state each round, each
+checked against stock vLLM), then prints the medians
 and the ratios fastbatch vs stock vLLM 0.33.0, vs the vLLM <= 0.21 forward
 scan and vs the floor, checks them against the targets, and writes
 OUT/microbench.json (raw), OUT/microbench-summary.json, OUT/microbench.png

@@ -114,6 +114,11 @@ def test_fastbatch_gives_stock_tokens_and_really_ran(generate):
     assert stats["requests_updated"] > 100
     assert stats["tokens_written"] == stats["requests_updated"]  # no spec decode
     assert stats["syncs"] > 0
+    # _bookkeeping_sync's loop ran compiled: one placeholder per request and
+    # step (async), at least one step per generated token.
+    assert stats["bookkeeping_calls"] > 50
+    assert stats["bookkeeping_tokens_added"] == stats["bookkeeping_requests_updated"]
+    assert stats["bookkeeping_requests_updated"] >= sum(map(len, ours["token_ids"]))
 
     # The output history mattered: penalties changed outputs, bad words held.
     changed = [label for label, ids, plain in zip(
@@ -132,6 +137,7 @@ def test_worker_processes_report_whether_fastbatch_is_installed(generate):
     assert worker["pid"] != with_workers["driver_pid"]  # asked in the worker process
     assert worker["installed"] is True and worker["async_scheduling"] is True
     assert worker["stats"]["requests_updated"] > 100
+    assert worker["stats"]["bookkeeping_requests_updated"] > 100
     assert without["workers"][0]["installed"] is False
     assert without["workers"][0]["pid"] != without["driver_pid"]
     assert with_workers["token_ids"] == without["token_ids"] == stock_inproc["token_ids"]
@@ -203,5 +209,8 @@ def test_spec_decode_async_spec_tokens_replaced(generate):
     assert stats["requests_updated"] > 100
     assert stats["tokens_written"] > stats["requests_updated"]
     assert stats["placeholders_dropped"] > 0
+    # _bookkeeping_sync's loop: one placeholder per request and step (async).
+    assert stats["bookkeeping_requests_updated"] > 100
+    assert stats["bookkeeping_tokens_added"] == stats["bookkeeping_requests_updated"]
     # The rejection sampler applied penalties through the kernel.
     assert stats["penalty_tensors"] > 0 and stats["penalty_tokens"] > 0

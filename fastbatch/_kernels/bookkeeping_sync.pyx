@@ -229,9 +229,9 @@ cdef int _apply(Update* plans, Py_ssize_t planned, Py_buffer* num_tokens,
 
 
 def append_sampled_token_ids(list req_ids not None, dict requests not None,
-                     Py_ssize_t num_sampled_tokens, list valid_sampled_token_ids,
-                     discarded, num_tokens_no_spec, token_ids_cpu, is_token_ids,
-                     Py_ssize_t max_model_len):
+                             Py_ssize_t num_sampled_tokens, list valid_sampled_token_ids,
+                             discarded, num_tokens_no_spec, token_ids_cpu, is_token_ids,
+                             Py_ssize_t max_model_len):
     """Append this step's sampled tokens to each request's state.
 
     The per-request loop of vLLM's ``GPUModelRunner._bookkeeping_sync``, for
