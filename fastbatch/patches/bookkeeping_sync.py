@@ -187,7 +187,10 @@ def _bookkeeping_sync(
             invalid_req_indices_set, self.input_batch.num_tokens_no_spec,
             self.input_batch.token_ids_cpu, self.input_batch.is_token_ids,
             self.max_model_len)
-    except _REFUSED:  # nothing changed: vLLM's loop, with vLLM's errors
+        refused = False
+    except _REFUSED:
+        refused = True
+    if refused:  # nothing changed: vLLM's loop, with vLLM's errors (and tracebacks)
         _vllm_loop(self, req_ids, num_sampled_tokens, valid_sampled_token_ids,
                    invalid_req_indices_set)
 
@@ -212,9 +215,11 @@ def _bookkeeping_sync(
 _bookkeeping_sync.__fastbatch__ = True  # type: ignore[attr-defined]
 
 
-def _synthetic_step(use_async: bool) -> tuple[SimpleNamespace, tuple[Any, ...]]:
+def _synthetic_step(use_async: bool,
+                    max_model_len: int = 8) -> tuple[SimpleNamespace, tuple[Any, ...]]:
     """A GPUModelRunner stand-in after a step of four requests, one of them
-    discarded (a partial prefill), and the arguments of ``_bookkeeping_sync``."""
+    discarded (a partial prefill), and the arguments of ``_bookkeeping_sync``;
+    with ``max_model_len`` 7 the last request hits vLLM's assertion."""
     req_ids = ["a", "b", "partial", "d"]
     input_batch = SimpleNamespace(
         num_reqs=4, req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -227,7 +232,8 @@ def _synthetic_step(use_async: bool) -> tuple[SimpleNamespace, tuple[Any, ...]]:
     requests = {req_id: SimpleNamespace(output_token_ids=[7] * (i % 2))
                 for i, req_id in enumerate(req_ids)}
     runner = SimpleNamespace(
-        use_async_scheduling=use_async, max_model_len=8, input_batch=input_batch,
+        use_async_scheduling=use_async, max_model_len=max_model_len,
+        input_batch=input_batch,
         requests=requests,
         discard_request_mask=SimpleNamespace(np=np.array([0, 0, 1, 0, 0], dtype=bool)),
         _to_list=lambda sampled: sampled.tolist(),
@@ -248,15 +254,25 @@ def _state(runner: SimpleNamespace, result: tuple[Any, ...]) -> list[Any]:
             batch.is_token_ids.tolist(), batch.prev_req_id_to_index]
 
 
+def _outcome(method: Any, runner: SimpleNamespace, arguments: tuple[Any, ...]) -> list[Any]:
+    try:
+        result: Any = method(runner, *arguments)
+    except AssertionError as exc:  # vLLM's max_model_len check
+        result = ("AssertionError", str(exc))
+    return _state(runner, result)
+
+
 def activation_check(method: Any, replacement: Any) -> str | None:
-    """Run both on the synthetic steps, async and not; why they disagree, or None."""
-    for use_async in (True, False):
-        stock = _synthetic_step(use_async)
+    """Run both on the synthetic steps, async and not, and one that hits
+    vLLM's assertion; why they disagree, or None."""
+    for use_async, max_model_len in ((True, 8), (False, 8), (False, 7)):
+        stock = _synthetic_step(use_async, max_model_len)
         ours = copy.deepcopy(stock)
-        expected = _state(stock[0], method(stock[0], *stock[1]))
-        got = _state(ours[0], replacement(ours[0], *ours[1]))
+        expected = _outcome(method, *stock)
+        got = _outcome(replacement, *ours)
         if repr(got) != repr(expected):
-            return f"fastbatch gave {got}, vLLM gave {expected} (async: {use_async})"
+            return (f"fastbatch gave {got}, vLLM gave {expected} (async: {use_async}, "
+                    f"max_model_len: {max_model_len})")
     return None
 
 
