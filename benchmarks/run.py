@@ -3,9 +3,10 @@
     tox -e bench                      # installs vLLM 0.33.0 (CPU) and runs this
     python benchmarks/run.py --out results   # inside an environment that has it
 
-Runs benchmarks/test_update_benchmarks.py, test_spec_benchmarks.py and
-test_penalty_benchmarks.py (pytest-benchmark; every variant on identical fresh
-state each round, each checked against stock vLLM), then prints the medians
+Runs benchmarks/test_update_benchmarks.py, test_spec_benchmarks.py,
+test_penalty_benchmarks.py and test_bookkeeping_benchmarks.py
+(pytest-benchmark; every variant on identical fresh state each round, each
+checked against stock vLLM), then prints the medians
 and the ratios fastbatch vs stock vLLM 0.33.0, vs the vLLM <= 0.21 forward
 scan and vs the floor, checks them against the targets, and writes
 OUT/microbench.json (raw), OUT/microbench-summary.json, OUT/microbench.png
@@ -27,8 +28,9 @@ HERE = Path(__file__).resolve().parent
 VARIANTS = ("stock", "forward_scan", "fastbatch", "fallback", "floor")
 SPEC_VARIANTS = ("stock", "fastbatch", "fallback", "floor")
 PENALTY_VARIANTS = ("stock", "stock_convert", "fastbatch", "fallback")
+BOOKKEEPING_VARIANTS = ("stock", "fastbatch", "fallback")
 BENCHMARK_FILES = ("test_update_benchmarks.py", "test_spec_benchmarks.py",
-                   "test_penalty_benchmarks.py")
+                   "test_penalty_benchmarks.py", "test_bookkeeping_benchmarks.py")
 
 
 def run_grid(raw: Path, extra: list[str]) -> float:
@@ -73,6 +75,31 @@ def load_groups(raw: Path) -> tuple[dict, dict]:
             continue
         groups[info["group"]].setdefault(key, {})[info["variant"]] = bench["stats"]["median"]
     return groups["spec_tokens"], groups["penalties"]
+
+
+def load_bookkeeping(raw: Path) -> dict:
+    """``_bookkeeping_sync``, {(requests, "async"/"sync"): {variant: median seconds}}."""
+    cells: dict = {}
+    for bench in json.loads(raw.read_text())["benchmarks"]:
+        info = bench["extra_info"]
+        if info.get("group") == "bookkeeping":
+            key = (info["requests"], "async" if info["use_async"] else "sync")
+            cells.setdefault(key, {})[info["variant"]] = bench["stats"]["median"]
+    return cells
+
+
+def print_bookkeeping_table(cells: dict) -> None:
+    """``_bookkeeping_sync`` per decode step, with the ratio stock / fastbatch."""
+    print("\nGPUModelRunner._bookkeeping_sync (whole method, plain decode), median time per"
+          " step, microseconds")
+    print(f"{'cell':<22}" + "".join(f"{v:>14}" for v in BOOKKEEPING_VARIANTS)
+          + f"{'vs stock':>11}")
+    for (n, mode), times in sorted(cells.items()):
+        print(f"{f'bookkeeping {n} {mode}':<22}"
+              + "".join(f"{times[v] * 1e6:>14.2f}" if v in times else f"{'-':>14}"
+                        for v in BOOKKEEPING_VARIANTS)
+              + (f"{times['stock'] / times['fastbatch']:>10.1f}x"
+                 if {"stock", "fastbatch"} <= times.keys() else f"{'-':>11}"))
 
 
 def check_targets(cells: dict, grid_seconds: float, spec: dict | None = None,
@@ -272,6 +299,9 @@ def main() -> None:
     if cells:
         print_table(cells)
     print_group_tables(spec, penalty)
+    bookkeeping = load_bookkeeping(raw)
+    if bookkeeping:
+        print_bookkeeping_table(bookkeeping)
     targets = check_targets(cells, grid_seconds, spec, penalty)
     print("\ntargets")
     for target in targets:
@@ -293,6 +323,8 @@ def main() -> None:
         "spec_tokens_median_seconds": {f"{n}xk{k}": v for (n, k), v in sorted(spec.items())},
         "penalties_median_seconds": {f"{n}x{length}": v
                                      for (n, length), v in sorted(penalty.items())},
+        "bookkeeping_median_seconds": {f"{n}-{mode}": v
+                                       for (n, mode), v in sorted(bookkeeping.items())},
     }, indent=1))
     if cells:
         plot(cells, args.out / "microbench.png")

@@ -8,6 +8,10 @@
   ``InputBatch.update_async_spec_token_ids``.
 * ``output_tokens_tensor(output_token_ids, vocab_size, pin_memory=False)``:
   the penalties' padded output-token tensor, ``-1`` already masked.
+* ``append_sampled_token_ids(req_ids, requests, num_sampled_tokens,
+  valid_sampled_token_ids, discarded, num_tokens_no_spec, token_ids_cpu,
+  is_token_ids, max_model_len)``: the per-request loop of vLLM's
+  ``GPUModelRunner._bookkeeping_sync``.
 
 Each is a compiled piece (``fastbatch._kernels``, one module per piece) with a
 pure-Python twin (``fastbatch._reference``).  ``COMPILED`` says whether the
@@ -21,6 +25,7 @@ __version__ = "0.1.0"
 
 try:
     from fastbatch._kernels import (
+        append_sampled_token_ids,
         output_tokens_tensor,
         reset_stats,
         stats,
@@ -35,6 +40,7 @@ except ImportError as exc:  # no compiled module for this platform/interpreter
         stacklevel=2,
     )
     from fastbatch._reference import (
+        append_sampled_token_ids,
         output_tokens_tensor,
         reset_stats,
         stats,
@@ -49,6 +55,7 @@ else:
 __all__ = [
     "COMPILED",
     "__version__",
+    "append_sampled_token_ids",
     "output_tokens_tensor",
     "reset_stats",
     "stats",

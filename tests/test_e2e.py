@@ -47,7 +47,7 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
-PATCH_NAMES = ("output", "spec", "penalties")  # FASTBATCH_DISABLE names
+PATCH_NAMES = ("output", "spec", "penalties", "bookkeeping")  # FASTBATCH_DISABLE names
 WORKLOADS = {
     "mixed": [],
     "long": ["--settings", "penalties", "--num-prompts", "32", "--max-tokens", "448",
@@ -142,6 +142,11 @@ def test_fastbatch_gives_stock_tokens_and_really_ran(generate):
     assert stats["requests_updated"] > 100
     assert stats["tokens_written"] == stats["requests_updated"]  # no spec decode
     assert stats["syncs"] > 0
+    # _bookkeeping_sync's loop ran compiled: one placeholder per request and
+    # step (async), at least one step per generated token.
+    assert stats["bookkeeping_calls"] > 50
+    assert stats["bookkeeping_tokens_added"] == stats["bookkeeping_requests_updated"]
+    assert stats["bookkeeping_requests_updated"] >= sum(map(len, ours["token_ids"]))
 
     # The output history mattered: penalties changed outputs, bad words held.
     changed = [label for label, ids, plain in zip(
@@ -160,6 +165,7 @@ def test_worker_processes_report_whether_fastbatch_is_installed(generate):
     assert worker["pid"] != with_workers["driver_pid"]  # asked in the worker process
     assert worker["installed"] is True and worker["async_scheduling"] is True
     assert worker["stats"]["requests_updated"] > 100
+    assert worker["stats"]["bookkeeping_requests_updated"] > 100
     assert without["workers"][0]["installed"] is False
     assert without["workers"][0]["pid"] != without["driver_pid"]
     assert with_workers["token_ids"] == without["token_ids"] == stock_inproc["token_ids"]
@@ -201,7 +207,8 @@ def test_disable_penalties_leaves_that_piece_stock(generate):
     (worker,) = partial["workers"]
     assert worker["async_scheduling"] is True
     assert worker["installed"] is True
-    assert worker["patches"] == {"output": True, "spec": True, "penalties": False}
+    assert worker["patches"] == {"output": True, "spec": True, "penalties": False,
+                                 "bookkeeping": True}
     assert worker["stats"]["penalty_tensors"] == worker["stats"]["penalty_tokens"] == 0
     assert worker["stats"]["requests_updated"] > 1000  # the output patch still ran
     assert partial["token_ids"] == stock["token_ids"]
@@ -230,6 +237,9 @@ def test_spec_decode_async_spec_tokens_replaced(generate):
     assert stats["requests_updated"] > 100
     assert stats["tokens_written"] > stats["requests_updated"]
     assert stats["placeholders_dropped"] > 0
+    # _bookkeeping_sync's loop: one placeholder per request and step (async).
+    assert stats["bookkeeping_requests_updated"] > 100
+    assert stats["bookkeeping_tokens_added"] == stats["bookkeeping_requests_updated"]
     # The rejection sampler applied penalties through the kernel.
     assert stats["penalty_tensors"] > 0 and stats["penalty_tokens"] > 0
 

@@ -14,25 +14,30 @@ import pytest
 import torch
 from vllm.v1.sample.ops import penalties
 from vllm.v1.worker.gpu_input_batch import InputBatch
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 import fastbatch
 from batches import vllm_0_21_method
 from fastbatch import vllm_plugin
 from fastbatch.patches import async_output_token_ids as patch
 from fastbatch.patches import async_spec_token_ids as spec_patch
+from fastbatch.patches import bookkeeping_sync as bookkeeping_patch
 from fastbatch.patches import penalty_output_tokens as penalty_patch
 
 pytestmark = pytest.mark.vllm
 STOCK_METHOD = InputBatch.update_async_output_token_ids
 STOCK_SPEC_METHOD = InputBatch.update_async_spec_token_ids
 STOCK_CONVERT = penalties._convert_to_tensors
-PATCHES = {"output": patch, "spec": spec_patch, "penalties": penalty_patch}
+STOCK_BOOKKEEPING = GPUModelRunner._bookkeeping_sync
+PATCHES = {"output": patch, "spec": spec_patch, "penalties": penalty_patch,
+           "bookkeeping": bookkeeping_patch}
 
 
 def _stock_everywhere():
     return (InputBatch.update_async_output_token_ids is STOCK_METHOD
             and InputBatch.update_async_spec_token_ids is STOCK_SPEC_METHOD
-            and penalties._convert_to_tensors is STOCK_CONVERT)
+            and penalties._convert_to_tensors is STOCK_CONVERT
+            and GPUModelRunner._bookkeeping_sync is STOCK_BOOKKEEPING)
 
 
 class _Records(logging.Handler):
@@ -94,32 +99,37 @@ def test_switch_on_installs_once(monkeypatch, logs, value):
     monkeypatch.setenv("FASTBATCH", value)
     vllm_plugin.register()
     installed = (InputBatch.update_async_output_token_ids,
-                 InputBatch.update_async_spec_token_ids, penalties._convert_to_tensors)
+                 InputBatch.update_async_spec_token_ids, penalties._convert_to_tensors,
+                 GPUModelRunner._bookkeeping_sync)
     assert installed == (patch.update_async_output_token_ids,
                          spec_patch.update_async_spec_token_ids,
-                         penalty_patch._convert_to_tensors)
-    assert (patch.original(), spec_patch.original(), penalty_patch.original()) == (
-        STOCK_METHOD, STOCK_SPEC_METHOD, STOCK_CONVERT)
+                         penalty_patch._convert_to_tensors,
+                         bookkeeping_patch._bookkeeping_sync)
+    assert (patch.original(), spec_patch.original(), penalty_patch.original(),
+            bookkeeping_patch.original()) == (
+        STOCK_METHOD, STOCK_SPEC_METHOD, STOCK_CONVERT, STOCK_BOOKKEEPING)
     vllm_plugin.register()  # vLLM loads plugins more than once
     vllm_plugin.register()
     assert (InputBatch.update_async_output_token_ids,
-            InputBatch.update_async_spec_token_ids, penalties._convert_to_tensors) == installed
+            InputBatch.update_async_spec_token_ids, penalties._convert_to_tensors,
+            GPUModelRunner._bookkeeping_sync) == installed
     assert patch.original() is STOCK_METHOD
     infos = logs.at(logging.INFO)
-    assert len(infos) == 3
+    assert len(infos) == 4
     for info, module in zip(infos, PATCHES.values(), strict=True):
         for expected in (fastbatch.__version__, "vLLM 0.33.0", module.TARGET,
                          "compiled kernel"):
             assert expected in info
     status = vllm_plugin.status()
     assert status["installed"] is True
-    assert status["patches"] == {"output": True, "spec": True, "penalties": True}
+    assert status["patches"] == dict.fromkeys(PATCHES, True)
 
 
 @pytest.mark.parametrize(("value", "stock"), [
     ("penalties", {"penalties"}), ("SPEC", {"spec"}), ("output,penalties", {"output",
                                                                            "penalties"}),
-    (" spec  output ", {"spec", "output"}), ("output,spec,penalties", set(PATCHES)),
+    (" spec  output ", {"spec", "output"}), ("bookkeeping", {"bookkeeping"}),
+    ("output,spec,penalties,bookkeeping", set(PATCHES)),
 ])
 def test_disable_leaves_single_pieces_stock(monkeypatch, logs, value, stock):
     monkeypatch.setenv("FASTBATCH", "1")
@@ -129,6 +139,7 @@ def test_disable_leaves_single_pieces_stock(monkeypatch, logs, value, stock):
     assert (InputBatch.update_async_output_token_ids is STOCK_METHOD) == ("output" in stock)
     assert (InputBatch.update_async_spec_token_ids is STOCK_SPEC_METHOD) == ("spec" in stock)
     assert (penalties._convert_to_tensors is STOCK_CONVERT) == ("penalties" in stock)
+    assert (GPUModelRunner._bookkeeping_sync is STOCK_BOOKKEEPING) == ("bookkeeping" in stock)
     left_stock = [info for info in logs.at(logging.INFO) if "left stock" in info]
     assert len(left_stock) == len(stock)
     assert logs.at(logging.WARNING) == []
@@ -139,9 +150,9 @@ def test_disable_with_an_unknown_name_warns(monkeypatch, logs):
     monkeypatch.setenv("FASTBATCH_DISABLE", "penalty, spec")
     vllm_plugin.register()
     assert vllm_plugin.status()["patches"] == {"output": True, "spec": False,
-                                               "penalties": True}
+                                               "penalties": True, "bookkeeping": True}
     (warning,) = logs.at(logging.WARNING)
-    assert "'penalty'" in warning and "output, spec, penalties" in warning
+    assert "'penalty'" in warning and "output, spec, penalties, bookkeeping" in warning
 
 
 @pytest.mark.parametrize("value", ["2", "maybe", "enable"])
@@ -187,7 +198,9 @@ def test_plugin_loaded_by_vllm_itself(monkeypatch):
         from vllm.plugins import load_general_plugins
         load_general_plugins()
         from vllm.v1.worker.gpu_input_batch import InputBatch
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
         assert getattr(InputBatch.update_async_output_token_ids, "__fastbatch__", False)
+        assert getattr(GPUModelRunner._bookkeeping_sync, "__fastbatch__", False)
         print("patched by vLLM's loader")
     """)
     result = subprocess.run([sys.executable, "-W", "ignore", "-c", script],
@@ -217,7 +230,7 @@ def test_guard_refuses_a_changed_spec_method(monkeypatch, logs):
     vllm_plugin.register()
     assert InputBatch.update_async_spec_token_ids is changed
     assert vllm_plugin.status()["patches"] == {"output": True, "spec": False,
-                                               "penalties": True}
+                                               "penalties": True, "bookkeeping": True}
     (warning,) = logs.at(logging.WARNING)
     assert spec_patch.TARGET in warning and "not a verified variant" in warning
 
@@ -252,7 +265,7 @@ def test_penalties_stay_stock_where_stock_cannot_pin(monkeypatch, logs):
     vllm_plugin.register()
     assert penalties._convert_to_tensors is STOCK_CONVERT
     assert vllm_plugin.status()["patches"] == {"output": True, "spec": True,
-                                               "penalties": False}
+                                               "penalties": False, "bookkeeping": True}
     (error,) = logs.at(logging.ERROR)
     assert "activation check failed" in error and penalty_patch.TARGET in error
 
@@ -270,9 +283,14 @@ def test_patched_penalties_pin_as_stock_pins(monkeypatch):
         penalties._convert_to_tensors(rows, 10, "cpu")
 
 
-@pytest.mark.parametrize("broken", ["spec", "penalties"])
+@pytest.mark.parametrize("broken", ["spec", "penalties", "bookkeeping"])
 def test_activation_check_refuses_wrong_new_kernels(monkeypatch, logs, broken):
-    if broken == "spec":
+    if broken == "bookkeeping":
+        def wrong(req_ids, requests, num_sampled, valid, discarded, num_tokens, *rest):
+            for req_id in req_ids[:num_sampled]:  # forgets the arrays
+                requests[req_id].output_token_ids.append(-1)
+        monkeypatch.setattr(fastbatch, "append_sampled_token_ids", wrong)
+    elif broken == "spec":
         def wrong(req_ids, prev, spec_token_ids, draft_token_ids):
             for ids in spec_token_ids or ():
                 if ids:
@@ -308,7 +326,7 @@ def test_guard_refuses_an_unknown_version(monkeypatch, logs):
     vllm_plugin.register()
     assert _stock_everywhere()
     warnings = logs.at(logging.WARNING)
-    assert len(warnings) == 3
+    assert len(warnings) == len(PATCHES)
     assert all("vLLM 0.34.0 is not a verified version" in w for w in warnings)
 
 
@@ -328,7 +346,7 @@ def test_force_patches_an_unknown_version(monkeypatch, logs):
     vllm_plugin.register()
     assert InputBatch.update_async_output_token_ids is patch.update_async_output_token_ids
     assert vllm_plugin.status()["patches"] == dict.fromkeys(PATCHES, True)
-    assert sum("patching anyway" in w for w in logs.at(logging.WARNING)) == 3
+    assert sum("patching anyway" in w for w in logs.at(logging.WARNING)) == len(PATCHES)
 
 
 def test_force_still_needs_the_activation_check(monkeypatch, logs):

@@ -20,6 +20,7 @@ def main(dist: Path) -> None:
                      "fastbatch/patches/_patch.py",
                      "fastbatch/patches/async_output_token_ids.py",
                      "fastbatch/patches/async_spec_token_ids.py",
+                     "fastbatch/patches/bookkeeping_sync.py",
                      "fastbatch/patches/penalty_output_tokens.py"):
         assert required in names, f"{required} missing from {wheel.name}"
     for piece in pieces:

@@ -6,14 +6,16 @@ from fastbatch._counters import combined
 from fastbatch._reference import (
     async_output_token_ids,
     async_spec_token_ids,
+    bookkeeping_sync,
     penalty_output_tokens,
 )
 from fastbatch._reference.async_output_token_ids import update_async_output_token_ids
 from fastbatch._reference.async_spec_token_ids import update_async_spec_token_ids
+from fastbatch._reference.bookkeeping_sync import append_sampled_token_ids
 from fastbatch._reference.penalty_output_tokens import output_tokens_tensor
 
 stats, reset_stats = combined(async_output_token_ids, async_spec_token_ids,
-                              penalty_output_tokens)
+                              penalty_output_tokens, bookkeeping_sync)
 
-__all__ = ["output_tokens_tensor", "reset_stats", "stats", "update_async_output_token_ids",
-           "update_async_spec_token_ids"]
+__all__ = ["append_sampled_token_ids", "output_tokens_tensor", "reset_stats", "stats",
+           "update_async_output_token_ids", "update_async_spec_token_ids"]
