@@ -8,6 +8,11 @@
   ``InputBatch.update_async_spec_token_ids``.
 * ``output_tokens_tensor(output_token_ids, vocab_size, pin_memory=False)``:
   the penalties' padded output-token tensor, ``-1`` already masked.
+* ``compute_prev_positions(req_ids, prev_req_id_to_index, prev_positions,
+  num_reqs)``: the loop of ``GPUModelRunner._compute_prev_positions``.
+* ``prepare_input_ids_indices(req_ids, prev_positions, cu_num_tokens,
+  scheduled_spec_tokens, prev_num_spec_tokens, num_reqs)``: the loop of
+  ``GPUModelRunner._prepare_input_ids``, its index lists as int64 arrays.
 
 Each is a compiled piece (``fastbatch._kernels``, one module per piece) with a
 pure-Python twin (``fastbatch._reference``).  ``COMPILED`` says whether the
@@ -21,7 +26,9 @@ __version__ = "0.1.0"
 
 try:
     from fastbatch._kernels import (
+        compute_prev_positions,
         output_tokens_tensor,
+        prepare_input_ids_indices,
         reset_stats,
         stats,
         update_async_output_token_ids,
@@ -35,7 +42,9 @@ except ImportError as exc:  # no compiled module for this platform/interpreter
         stacklevel=2,
     )
     from fastbatch._reference import (
+        compute_prev_positions,
         output_tokens_tensor,
+        prepare_input_ids_indices,
         reset_stats,
         stats,
         update_async_output_token_ids,
@@ -49,7 +58,9 @@ else:
 __all__ = [
     "COMPILED",
     "__version__",
+    "compute_prev_positions",
     "output_tokens_tensor",
+    "prepare_input_ids_indices",
     "reset_stats",
     "stats",
     "update_async_output_token_ids",
