@@ -18,6 +18,8 @@ pieces stock while the others are on:
   ``output``     ``InputBatch.update_async_output_token_ids``
   ``spec``       ``InputBatch.update_async_spec_token_ids``
   ``penalties``  ``penalties._convert_to_tensors``
+  ``prev_positions``  ``GPUModelRunner._compute_prev_positions``
+  ``input_ids``  ``GPUModelRunner._prepare_input_ids``
 Unknown names are reported in a warning and ignored.
 
 The switches are deliberately not named ``VLLM_*``: vLLM warns about unknown
@@ -39,6 +41,8 @@ PATCHES = {
     "output": "fastbatch.patches.async_output_token_ids",
     "spec": "fastbatch.patches.async_spec_token_ids",
     "penalties": "fastbatch.patches.penalty_output_tokens",
+    "prev_positions": "fastbatch.patches.prev_positions",
+    "input_ids": "fastbatch.patches.prepare_input_ids",
 }
 _ON = {"1", "true", "yes", "on"}
 _OFF = {"", "0", "false", "no", "off"}
