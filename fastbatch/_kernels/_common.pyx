@@ -67,7 +67,7 @@ cdef int view_int_column(object array, str name, Py_buffer* view, int flags,
     cdef const char* fmt
     try:
         PyObject_GetBuffer(array, view, flags | PyBUF_FORMAT | PyBUF_STRIDES)
-    except (TypeError, BufferError) as exc:
+    except (TypeError, ValueError, BufferError) as exc:
         raise TypeError(f"{name} must be a {'writable ' if flags & PyBUF_WRITABLE else ''}"
                         f"1-D int array, got "
                         f"{type(array).__name__} ({exc})") from None
