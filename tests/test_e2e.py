@@ -37,7 +37,7 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
-PATCH_NAMES = ("output", "spec", "penalties")  # FASTBATCH_DISABLE names
+PATCH_NAMES = ("output", "spec", "penalties", "prev_positions", "input_ids")  # FASTBATCH_DISABLE names
 WORKLOADS = {
     "mixed": [],
     "long": ["--settings", "penalties", "--num-prompts", "32", "--max-tokens", "448",
@@ -173,7 +173,7 @@ def test_disable_penalties_leaves_that_piece_stock(generate):
     (worker,) = partial["workers"]
     assert worker["async_scheduling"] is True
     assert worker["installed"] is True
-    assert worker["patches"] == {"output": True, "spec": True, "penalties": False}
+    assert worker["patches"] == {name: name != "penalties" for name in PATCH_NAMES}
     assert worker["stats"]["penalty_tensors"] == worker["stats"]["penalty_tokens"] == 0
     assert worker["stats"]["requests_updated"] > 1000  # the output patch still ran
     assert partial["token_ids"] == stock["token_ids"]

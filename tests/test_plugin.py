@@ -14,6 +14,7 @@ import pytest
 import torch
 from vllm.v1.sample.ops import penalties
 from vllm.v1.worker.gpu_input_batch import InputBatch
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 import fastbatch
 from batches import vllm_0_21_method
@@ -21,18 +22,25 @@ from fastbatch import vllm_plugin
 from fastbatch.patches import async_output_token_ids as patch
 from fastbatch.patches import async_spec_token_ids as spec_patch
 from fastbatch.patches import penalty_output_tokens as penalty_patch
+from fastbatch.patches import prepare_input_ids as input_ids_patch
+from fastbatch.patches import prev_positions as prev_positions_patch
 
 pytestmark = pytest.mark.vllm
 STOCK_METHOD = InputBatch.update_async_output_token_ids
 STOCK_SPEC_METHOD = InputBatch.update_async_spec_token_ids
 STOCK_CONVERT = penalties._convert_to_tensors
-PATCHES = {"output": patch, "spec": spec_patch, "penalties": penalty_patch}
+STOCK_PREV_POSITIONS = GPUModelRunner._compute_prev_positions
+STOCK_INPUT_IDS = GPUModelRunner._prepare_input_ids
+PATCHES = {"output": patch, "spec": spec_patch, "penalties": penalty_patch,
+           "prev_positions": prev_positions_patch, "input_ids": input_ids_patch}
 
 
 def _stock_everywhere():
     return (InputBatch.update_async_output_token_ids is STOCK_METHOD
             and InputBatch.update_async_spec_token_ids is STOCK_SPEC_METHOD
-            and penalties._convert_to_tensors is STOCK_CONVERT)
+            and penalties._convert_to_tensors is STOCK_CONVERT
+            and GPUModelRunner._compute_prev_positions is STOCK_PREV_POSITIONS
+            and GPUModelRunner._prepare_input_ids is STOCK_INPUT_IDS)
 
 
 class _Records(logging.Handler):
@@ -93,33 +101,40 @@ def test_switch_off_leaves_vllm_stock(monkeypatch, logs, value):
 def test_switch_on_installs_once(monkeypatch, logs, value):
     monkeypatch.setenv("FASTBATCH", value)
     vllm_plugin.register()
-    installed = (InputBatch.update_async_output_token_ids,
-                 InputBatch.update_async_spec_token_ids, penalties._convert_to_tensors)
+    def current():
+        return (InputBatch.update_async_output_token_ids,
+                InputBatch.update_async_spec_token_ids, penalties._convert_to_tensors,
+                GPUModelRunner._compute_prev_positions, GPUModelRunner._prepare_input_ids)
+
+    installed = current()
     assert installed == (patch.update_async_output_token_ids,
                          spec_patch.update_async_spec_token_ids,
-                         penalty_patch._convert_to_tensors)
-    assert (patch.original(), spec_patch.original(), penalty_patch.original()) == (
-        STOCK_METHOD, STOCK_SPEC_METHOD, STOCK_CONVERT)
+                         penalty_patch._convert_to_tensors,
+                         prev_positions_patch._compute_prev_positions,
+                         input_ids_patch._prepare_input_ids)
+    assert tuple(module.original() for module in PATCHES.values()) == (
+        STOCK_METHOD, STOCK_SPEC_METHOD, STOCK_CONVERT, STOCK_PREV_POSITIONS,
+        STOCK_INPUT_IDS)
     vllm_plugin.register()  # vLLM loads plugins more than once
     vllm_plugin.register()
-    assert (InputBatch.update_async_output_token_ids,
-            InputBatch.update_async_spec_token_ids, penalties._convert_to_tensors) == installed
+    assert current() == installed
     assert patch.original() is STOCK_METHOD
     infos = logs.at(logging.INFO)
-    assert len(infos) == 3
+    assert len(infos) == len(PATCHES)
     for info, module in zip(infos, PATCHES.values(), strict=True):
         for expected in (fastbatch.__version__, "vLLM 0.33.0", module.TARGET,
                          "compiled kernel"):
             assert expected in info
     status = vllm_plugin.status()
     assert status["installed"] is True
-    assert status["patches"] == {"output": True, "spec": True, "penalties": True}
+    assert status["patches"] == dict.fromkeys(PATCHES, True)
 
 
 @pytest.mark.parametrize(("value", "stock"), [
     ("penalties", {"penalties"}), ("SPEC", {"spec"}), ("output,penalties", {"output",
                                                                            "penalties"}),
-    (" spec  output ", {"spec", "output"}), ("output,spec,penalties", set(PATCHES)),
+    (" spec  output ", {"spec", "output"}), (",".join(PATCHES), set(PATCHES)),
+    ("prev_positions INPUT_IDS", {"prev_positions", "input_ids"}),
 ])
 def test_disable_leaves_single_pieces_stock(monkeypatch, logs, value, stock):
     monkeypatch.setenv("FASTBATCH", "1")
@@ -129,6 +144,9 @@ def test_disable_leaves_single_pieces_stock(monkeypatch, logs, value, stock):
     assert (InputBatch.update_async_output_token_ids is STOCK_METHOD) == ("output" in stock)
     assert (InputBatch.update_async_spec_token_ids is STOCK_SPEC_METHOD) == ("spec" in stock)
     assert (penalties._convert_to_tensors is STOCK_CONVERT) == ("penalties" in stock)
+    assert (GPUModelRunner._compute_prev_positions is STOCK_PREV_POSITIONS) == (
+        "prev_positions" in stock)
+    assert (GPUModelRunner._prepare_input_ids is STOCK_INPUT_IDS) == ("input_ids" in stock)
     left_stock = [info for info in logs.at(logging.INFO) if "left stock" in info]
     assert len(left_stock) == len(stock)
     assert logs.at(logging.WARNING) == []
@@ -138,8 +156,7 @@ def test_disable_with_an_unknown_name_warns(monkeypatch, logs):
     monkeypatch.setenv("FASTBATCH", "1")
     monkeypatch.setenv("FASTBATCH_DISABLE", "penalty, spec")
     vllm_plugin.register()
-    assert vllm_plugin.status()["patches"] == {"output": True, "spec": False,
-                                               "penalties": True}
+    assert vllm_plugin.status()["patches"] == {name: name != "spec" for name in PATCHES}
     (warning,) = logs.at(logging.WARNING)
     assert "'penalty'" in warning and "output, spec, penalties" in warning
 
@@ -187,7 +204,9 @@ def test_plugin_loaded_by_vllm_itself(monkeypatch):
         from vllm.plugins import load_general_plugins
         load_general_plugins()
         from vllm.v1.worker.gpu_input_batch import InputBatch
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
         assert getattr(InputBatch.update_async_output_token_ids, "__fastbatch__", False)
+        assert getattr(GPUModelRunner._prepare_input_ids, "__fastbatch__", False)
         print("patched by vLLM's loader")
     """)
     result = subprocess.run([sys.executable, "-W", "ignore", "-c", script],
@@ -216,8 +235,7 @@ def test_guard_refuses_a_changed_spec_method(monkeypatch, logs):
     monkeypatch.setenv("FASTBATCH", "1")
     vllm_plugin.register()
     assert InputBatch.update_async_spec_token_ids is changed
-    assert vllm_plugin.status()["patches"] == {"output": True, "spec": False,
-                                               "penalties": True}
+    assert vllm_plugin.status()["patches"] == {name: name != "spec" for name in PATCHES}
     (warning,) = logs.at(logging.WARNING)
     assert spec_patch.TARGET in warning and "not a verified variant" in warning
 
@@ -251,8 +269,8 @@ def test_penalties_stay_stock_where_stock_cannot_pin(monkeypatch, logs):
     monkeypatch.setenv("FASTBATCH", "1")
     vllm_plugin.register()
     assert penalties._convert_to_tensors is STOCK_CONVERT
-    assert vllm_plugin.status()["patches"] == {"output": True, "spec": True,
-                                               "penalties": False}
+    assert vllm_plugin.status()["patches"] == {name: name != "penalties"
+                                               for name in PATCHES}
     (error,) = logs.at(logging.ERROR)
     assert "activation check failed" in error and penalty_patch.TARGET in error
 
@@ -308,7 +326,7 @@ def test_guard_refuses_an_unknown_version(monkeypatch, logs):
     vllm_plugin.register()
     assert _stock_everywhere()
     warnings = logs.at(logging.WARNING)
-    assert len(warnings) == 3
+    assert len(warnings) == len(PATCHES)
     assert all("vLLM 0.34.0 is not a verified version" in w for w in warnings)
 
 
@@ -328,7 +346,7 @@ def test_force_patches_an_unknown_version(monkeypatch, logs):
     vllm_plugin.register()
     assert InputBatch.update_async_output_token_ids is patch.update_async_output_token_ids
     assert vllm_plugin.status()["patches"] == dict.fromkeys(PATCHES, True)
-    assert sum("patching anyway" in w for w in logs.at(logging.WARNING)) == 3
+    assert sum("patching anyway" in w for w in logs.at(logging.WARNING)) == len(PATCHES)
 
 
 def test_force_still_needs_the_activation_check(monkeypatch, logs):
