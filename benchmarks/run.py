@@ -28,7 +28,7 @@ VARIANTS = ("stock", "forward_scan", "fastbatch", "fallback", "floor")
 SPEC_VARIANTS = ("stock", "fastbatch", "fallback", "floor")
 PENALTY_VARIANTS = ("stock", "stock_convert", "fastbatch", "fallback")
 BENCHMARK_FILES = ("test_update_benchmarks.py", "test_spec_benchmarks.py",
-                   "test_penalty_benchmarks.py")
+                   "test_penalty_benchmarks.py", "test_runner_input_benchmarks.py")
 
 
 def run_grid(raw: Path, extra: list[str]) -> float:
@@ -73,6 +73,39 @@ def load_groups(raw: Path) -> tuple[dict, dict]:
             continue
         groups[info["group"]].setdefault(key, {})[info["variant"]] = bench["stats"]["median"]
     return groups["spec_tokens"], groups["penalties"]
+
+
+RUNNER_GROUPS = ("prev_positions", "input_ids")  # benchmarks/test_runner_input_benchmarks.py
+
+
+def load_runner_groups(raw: Path) -> dict:
+    """The runner's input preparation: {group: {(requests, shape): {variant: median s}}}."""
+    groups: dict = {group: {} for group in RUNNER_GROUPS}
+    for bench in json.loads(raw.read_text())["benchmarks"]:
+        info = bench["extra_info"]
+        if info.get("group") in groups:
+            key = (info["requests"], info["shape"])
+            groups[info["group"]].setdefault(key, {})[info["variant"]] = \
+                bench["stats"]["median"]
+    return groups
+
+
+def print_runner_tables(groups: dict) -> None:
+    """``_compute_prev_positions`` and ``_prepare_input_ids``: medians, and stock /
+    fastbatch."""
+    variants = ("stock", "fastbatch", "fallback")
+    for group, cells in groups.items():
+        if not cells:
+            continue
+        print(f"\n{group}: median time per call, microseconds")
+        print(f"{'cell':<16}" + "".join(f"{v:>12}" for v in variants) + f"{'vs stock':>10}")
+        for (requests, shape), times in sorted(cells.items(), key=lambda c: (c[0][1], c[0][0])):
+            row = f"{shape + ' ' + str(requests):<16}"
+            row += "".join(f"{times[v] * 1e6:>12.2f}" if v in times else f"{'-':>12}"
+                           for v in variants)
+            if "stock" in times and "fastbatch" in times:
+                row += f"{times['stock'] / times['fastbatch']:>9.1f}x"
+            print(row)
 
 
 def check_targets(cells: dict, grid_seconds: float, spec: dict | None = None,
@@ -272,6 +305,8 @@ def main() -> None:
     if cells:
         print_table(cells)
     print_group_tables(spec, penalty)
+    runner_groups = load_runner_groups(raw)
+    print_runner_tables(runner_groups)
     targets = check_targets(cells, grid_seconds, spec, penalty)
     print("\ntargets")
     for target in targets:
@@ -293,6 +328,8 @@ def main() -> None:
         "spec_tokens_median_seconds": {f"{n}xk{k}": v for (n, k), v in sorted(spec.items())},
         "penalties_median_seconds": {f"{n}x{length}": v
                                      for (n, length), v in sorted(penalty.items())},
+        **{f"{group}_median_seconds": {f"{shape}-{n}": v for (n, shape), v in sorted(cells.items())}
+           for group, cells in runner_groups.items()},
     }, indent=1))
     if cells:
         plot(cells, args.out / "microbench.png")

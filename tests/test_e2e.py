@@ -114,6 +114,13 @@ def test_fastbatch_gives_stock_tokens_and_really_ran(generate):
     assert stats["requests_updated"] > 100
     assert stats["tokens_written"] == stats["requests_updated"]  # no spec decode
     assert stats["syncs"] > 0
+    # The runner's input preparation went through fastbatch every step: the
+    # previous rows, and the previous step's sampled ids put in place.
+    assert stats["prev_positions_calls"] > 50
+    assert stats["prev_positions_found"] > 100
+    assert stats["input_ids_calls"] > 50
+    assert stats["input_ids_common_requests"] > 100
+    assert stats["input_ids_spec_tokens"] == 0
 
     # The output history mattered: penalties changed outputs, bad words held.
     changed = [label for label, ids, plain in zip(
@@ -197,6 +204,10 @@ def test_spec_decode_async_spec_tokens_replaced(generate):
     # vLLM swapped the draft placeholders for real drafts through fastbatch...
     assert stats["spec_calls"] > 20
     assert stats["spec_requests_updated"] > 100
+    # The drafts of the previous step were scattered into the input ids
+    # through fastbatch's index rows.
+    assert stats["input_ids_calls"] > 20
+    assert stats["input_ids_spec_tokens"] > 100
     # ...and the output lists too: several tokens per request and step where
     # drafts were accepted, placeholders dropped where they were rejected.
     assert stats["requests_updated"] > 100
