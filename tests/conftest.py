@@ -31,7 +31,7 @@ if not collect_ignore:
     # of torch, transformers and vLLM is not ours to fix: import them quietly.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        import vllm.v1.worker.gpu_input_batch  # noqa: F401
+        import vllm.v1.worker.gpu_input_batch
         import vllm.v1.worker.gpu_model_runner  # noqa: F401
 
 settings.register_profile("ci", max_examples=2000, deadline=None, print_blob=True,

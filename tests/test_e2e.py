@@ -37,7 +37,8 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
-PATCH_NAMES = ("output", "spec", "penalties", "prev_positions", "input_ids")  # FASTBATCH_DISABLE names
+# FASTBATCH_DISABLE names
+PATCH_NAMES = ("output", "spec", "penalties", "prev_positions", "input_ids")
 WORKLOADS = {
     "mixed": [],
     "long": ["--settings", "penalties", "--num-prompts", "32", "--max-tokens", "448",
