@@ -30,7 +30,8 @@ SPEC_VARIANTS = ("stock", "fastbatch", "fallback", "floor")
 PENALTY_VARIANTS = ("stock", "stock_convert", "fastbatch", "fallback")
 BOOKKEEPING_VARIANTS = ("stock", "fastbatch", "fallback")
 BENCHMARK_FILES = ("test_update_benchmarks.py", "test_spec_benchmarks.py",
-                   "test_penalty_benchmarks.py", "test_bookkeeping_benchmarks.py")
+                   "test_penalty_benchmarks.py", "test_bookkeeping_benchmarks.py",
+                   "test_runner_input_benchmarks.py")
 
 
 def run_grid(raw: Path, extra: list[str]) -> float:
@@ -100,6 +101,37 @@ def print_bookkeeping_table(cells: dict) -> None:
                         for v in BOOKKEEPING_VARIANTS)
               + (f"{times['stock'] / times['fastbatch']:>10.1f}x"
                  if {"stock", "fastbatch"} <= times.keys() else f"{'-':>11}"))
+RUNNER_GROUPS = ("prev_positions", "input_ids")  # benchmarks/test_runner_input_benchmarks.py
+
+
+def load_runner_groups(raw: Path) -> dict:
+    """The runner's input preparation: {group: {(requests, shape): {variant: median s}}}."""
+    groups: dict = {group: {} for group in RUNNER_GROUPS}
+    for bench in json.loads(raw.read_text())["benchmarks"]:
+        info = bench["extra_info"]
+        if info.get("group") in groups:
+            key = (info["requests"], info["shape"])
+            groups[info["group"]].setdefault(key, {})[info["variant"]] = \
+                bench["stats"]["median"]
+    return groups
+
+
+def print_runner_tables(groups: dict) -> None:
+    """``_compute_prev_positions`` and ``_prepare_input_ids``: medians, and stock /
+    fastbatch."""
+    variants = ("stock", "fastbatch", "fallback")
+    for group, cells in groups.items():
+        if not cells:
+            continue
+        print(f"\n{group}: median time per call, microseconds")
+        print(f"{'cell':<16}" + "".join(f"{v:>12}" for v in variants) + f"{'vs stock':>10}")
+        for (requests, shape), times in sorted(cells.items(), key=lambda c: (c[0][1], c[0][0])):
+            row = f"{shape + ' ' + str(requests):<16}"
+            row += "".join(f"{times[v] * 1e6:>12.2f}" if v in times else f"{'-':>12}"
+                           for v in variants)
+            if "stock" in times and "fastbatch" in times:
+                row += f"{times['stock'] / times['fastbatch']:>9.1f}x"
+            print(row)
 
 
 def check_targets(cells: dict, grid_seconds: float, spec: dict | None = None,
@@ -302,6 +334,8 @@ def main() -> None:
     bookkeeping = load_bookkeeping(raw)
     if bookkeeping:
         print_bookkeeping_table(bookkeeping)
+    runner_groups = load_runner_groups(raw)
+    print_runner_tables(runner_groups)
     targets = check_targets(cells, grid_seconds, spec, penalty)
     print("\ntargets")
     for target in targets:
@@ -325,6 +359,8 @@ def main() -> None:
                                      for (n, length), v in sorted(penalty.items())},
         "bookkeeping_median_seconds": {f"{n}-{mode}": v
                                        for (n, mode), v in sorted(bookkeeping.items())},
+        **{f"{group}_median_seconds": {f"{shape}-{n}": v for (n, shape), v in sorted(cells.items())}
+           for group, cells in runner_groups.items()},
     }, indent=1))
     if cells:
         plot(cells, args.out / "microbench.png")

@@ -12,6 +12,11 @@
   valid_sampled_token_ids, discarded, num_tokens_no_spec, token_ids_cpu,
   is_token_ids, max_model_len)``: the per-request loop of vLLM's
   ``GPUModelRunner._bookkeeping_sync``.
+* ``compute_prev_positions(req_ids, prev_req_id_to_index, prev_positions,
+  num_reqs)``: the loop of ``GPUModelRunner._compute_prev_positions``.
+* ``prepare_input_ids_indices(req_ids, prev_positions, cu_num_tokens,
+  scheduled_spec_tokens, prev_num_spec_tokens, num_reqs)``: the loop of
+  ``GPUModelRunner._prepare_input_ids``, its index lists as int64 arrays.
 
 Each is a compiled piece (``fastbatch._kernels``, one module per piece) with a
 pure-Python twin (``fastbatch._reference``).  ``COMPILED`` says whether the
@@ -26,7 +31,9 @@ __version__ = "0.1.0"
 try:
     from fastbatch._kernels import (
         append_sampled_token_ids,
+        compute_prev_positions,
         output_tokens_tensor,
+        prepare_input_ids_indices,
         reset_stats,
         stats,
         update_async_output_token_ids,
@@ -41,7 +48,9 @@ except ImportError as exc:  # no compiled module for this platform/interpreter
     )
     from fastbatch._reference import (
         append_sampled_token_ids,
+        compute_prev_positions,
         output_tokens_tensor,
+        prepare_input_ids_indices,
         reset_stats,
         stats,
         update_async_output_token_ids,
@@ -56,7 +65,9 @@ __all__ = [
     "COMPILED",
     "__version__",
     "append_sampled_token_ids",
+    "compute_prev_positions",
     "output_tokens_tensor",
+    "prepare_input_ids_indices",
     "reset_stats",
     "stats",
     "update_async_output_token_ids",

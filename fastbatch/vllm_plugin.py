@@ -19,6 +19,8 @@ pieces stock while the others are on:
   ``spec``       ``InputBatch.update_async_spec_token_ids``
   ``penalties``  ``penalties._convert_to_tensors``
   ``bookkeeping``  the loop of ``GPUModelRunner._bookkeeping_sync``
+  ``prev_positions``  ``GPUModelRunner._compute_prev_positions``
+  ``input_ids``  ``GPUModelRunner._prepare_input_ids``
 Unknown names are reported in a warning and ignored.
 
 The switches are deliberately not named ``VLLM_*``: vLLM warns about unknown
@@ -41,6 +43,8 @@ PATCHES = {
     "spec": "fastbatch.patches.async_spec_token_ids",
     "penalties": "fastbatch.patches.penalty_output_tokens",
     "bookkeeping": "fastbatch.patches.bookkeeping_sync",
+    "prev_positions": "fastbatch.patches.prev_positions",
+    "input_ids": "fastbatch.patches.prepare_input_ids",
 }
 _ON = {"1", "true", "yes", "on"}
 _OFF = {"", "0", "false", "no", "off"}

@@ -18,7 +18,8 @@ from fastbatch import _reference
 # the tox environments that need them select them with -m, and pytest exits
 # non-zero there if nothing was collected.
 VLLM_MODULES = ["test_vllm_differential.py", "test_plugin.py", "test_e2e.py",
-                "test_vllm_bookkeeping_sync.py"]
+                "test_vllm_bookkeeping_sync.py", "test_vllm_prev_positions.py",
+                "test_vllm_prepare_input_ids.py"]
 collect_ignore = [] if importlib.util.find_spec("vllm") else VLLM_MODULES
 # The penalties' tensor is a torch tensor: its tests need torch (the default
 # tox environment installs the CPU build; the other interpreters' may not).
@@ -31,7 +32,8 @@ if not collect_ignore:
     # of torch, transformers and vLLM is not ours to fix: import them quietly.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        import vllm.v1.worker.gpu_input_batch  # noqa: F401
+        import vllm.v1.worker.gpu_input_batch
+        import vllm.v1.worker.gpu_model_runner  # noqa: F401
 
 settings.register_profile("ci", max_examples=2000, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])

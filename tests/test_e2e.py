@@ -45,9 +45,12 @@ from pathlib import Path
 
 import pytest
 
+from fastbatch import vllm_plugin
+
 pytestmark = pytest.mark.e2e
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
-PATCH_NAMES = ("output", "spec", "penalties", "bookkeeping")  # FASTBATCH_DISABLE names
+# FASTBATCH_DISABLE names: every piece the plugin knows
+PATCH_NAMES = tuple(vllm_plugin.PATCHES)
 WORKLOADS = {
     "mixed": [],
     "long": ["--settings", "penalties", "--num-prompts", "32", "--max-tokens", "448",
@@ -147,6 +150,13 @@ def test_fastbatch_gives_stock_tokens_and_really_ran(generate):
     assert stats["bookkeeping_calls"] > 50
     assert stats["bookkeeping_tokens_added"] == stats["bookkeeping_requests_updated"]
     assert stats["bookkeeping_requests_updated"] >= sum(map(len, ours["token_ids"]))
+    # The runner's input preparation went through fastbatch every step: the
+    # previous rows, and the previous step's sampled ids put in place.
+    assert stats["prev_positions_calls"] > 50
+    assert stats["prev_positions_found"] > 100
+    assert stats["input_ids_calls"] > 50
+    assert stats["input_ids_common_requests"] > 100
+    assert stats["input_ids_spec_tokens"] == 0
 
     # The output history mattered: penalties changed outputs, bad words held.
     changed = [label for label, ids, plain in zip(
@@ -207,8 +217,7 @@ def test_disable_penalties_leaves_that_piece_stock(generate):
     (worker,) = partial["workers"]
     assert worker["async_scheduling"] is True
     assert worker["installed"] is True
-    assert worker["patches"] == {"output": True, "spec": True, "penalties": False,
-                                 "bookkeeping": True}
+    assert worker["patches"] == {name: name != "penalties" for name in PATCH_NAMES}
     assert worker["stats"]["penalty_tensors"] == worker["stats"]["penalty_tokens"] == 0
     assert worker["stats"]["requests_updated"] > 1000  # the output patch still ran
     assert partial["token_ids"] == stock["token_ids"]
@@ -232,6 +241,10 @@ def test_spec_decode_async_spec_tokens_replaced(generate):
     # vLLM swapped the draft placeholders for real drafts through fastbatch...
     assert stats["spec_calls"] > 20
     assert stats["spec_requests_updated"] > 100
+    # The drafts of the previous step were scattered into the input ids
+    # through fastbatch's index rows.
+    assert stats["input_ids_calls"] > 20
+    assert stats["input_ids_spec_tokens"] > 100
     # ...and the output lists too: several tokens per request and step where
     # drafts were accepted, placeholders dropped where they were rejected.
     assert stats["requests_updated"] > 100

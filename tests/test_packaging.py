@@ -17,6 +17,8 @@ PIECES = {
     "async_output_token_ids": "update_async_output_token_ids",
     "async_spec_token_ids": "update_async_spec_token_ids",
     "penalty_output_tokens": "output_tokens_tensor",
+    "prev_positions": "compute_prev_positions",
+    "prepare_input_ids": "prepare_input_ids_indices",
 }
 
 
@@ -57,7 +59,9 @@ def test_stats_cover_every_piece():
     fastbatch._kernels.async_output_token_ids.update_async_output_token_ids([], {}, [], None)
     counts = fastbatch.stats()
     assert counts["spec_calls"] == 1 and counts["calls"] == 1
-    assert {"penalty_tensors", "penalty_tokens"} <= counts.keys()
+    assert {"penalty_tensors", "penalty_tokens", "prev_positions_calls",
+            "prev_positions_found", "input_ids_calls", "input_ids_common_requests",
+            "input_ids_spec_tokens"} <= counts.keys()
     fastbatch.reset_stats()
     assert set(fastbatch.stats().values()) == {0}
 

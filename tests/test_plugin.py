@@ -23,21 +23,28 @@ from fastbatch.patches import async_output_token_ids as patch
 from fastbatch.patches import async_spec_token_ids as spec_patch
 from fastbatch.patches import bookkeeping_sync as bookkeeping_patch
 from fastbatch.patches import penalty_output_tokens as penalty_patch
+from fastbatch.patches import prepare_input_ids as input_ids_patch
+from fastbatch.patches import prev_positions as prev_positions_patch
 
 pytestmark = pytest.mark.vllm
 STOCK_METHOD = InputBatch.update_async_output_token_ids
 STOCK_SPEC_METHOD = InputBatch.update_async_spec_token_ids
 STOCK_CONVERT = penalties._convert_to_tensors
 STOCK_BOOKKEEPING = GPUModelRunner._bookkeeping_sync
+STOCK_PREV_POSITIONS = GPUModelRunner._compute_prev_positions
+STOCK_INPUT_IDS = GPUModelRunner._prepare_input_ids
 PATCHES = {"output": patch, "spec": spec_patch, "penalties": penalty_patch,
-           "bookkeeping": bookkeeping_patch}
+           "bookkeeping": bookkeeping_patch, "prev_positions": prev_positions_patch,
+           "input_ids": input_ids_patch}
 
 
 def _stock_everywhere():
     return (InputBatch.update_async_output_token_ids is STOCK_METHOD
             and InputBatch.update_async_spec_token_ids is STOCK_SPEC_METHOD
             and penalties._convert_to_tensors is STOCK_CONVERT
-            and GPUModelRunner._bookkeeping_sync is STOCK_BOOKKEEPING)
+            and GPUModelRunner._bookkeeping_sync is STOCK_BOOKKEEPING
+            and GPUModelRunner._compute_prev_positions is STOCK_PREV_POSITIONS
+            and GPUModelRunner._prepare_input_ids is STOCK_INPUT_IDS)
 
 
 class _Records(logging.Handler):
@@ -98,24 +105,28 @@ def test_switch_off_leaves_vllm_stock(monkeypatch, logs, value):
 def test_switch_on_installs_once(monkeypatch, logs, value):
     monkeypatch.setenv("FASTBATCH", value)
     vllm_plugin.register()
-    installed = (InputBatch.update_async_output_token_ids,
-                 InputBatch.update_async_spec_token_ids, penalties._convert_to_tensors,
-                 GPUModelRunner._bookkeeping_sync)
+    def current():
+        return (InputBatch.update_async_output_token_ids,
+                InputBatch.update_async_spec_token_ids, penalties._convert_to_tensors,
+                GPUModelRunner._bookkeeping_sync,
+                GPUModelRunner._compute_prev_positions, GPUModelRunner._prepare_input_ids)
+
+    installed = current()
     assert installed == (patch.update_async_output_token_ids,
                          spec_patch.update_async_spec_token_ids,
                          penalty_patch._convert_to_tensors,
-                         bookkeeping_patch._bookkeeping_sync)
-    assert (patch.original(), spec_patch.original(), penalty_patch.original(),
-            bookkeeping_patch.original()) == (
-        STOCK_METHOD, STOCK_SPEC_METHOD, STOCK_CONVERT, STOCK_BOOKKEEPING)
+                         bookkeeping_patch._bookkeeping_sync,
+                         prev_positions_patch._compute_prev_positions,
+                         input_ids_patch._prepare_input_ids)
+    assert tuple(module.original() for module in PATCHES.values()) == (
+        STOCK_METHOD, STOCK_SPEC_METHOD, STOCK_CONVERT, STOCK_BOOKKEEPING,
+        STOCK_PREV_POSITIONS, STOCK_INPUT_IDS)
     vllm_plugin.register()  # vLLM loads plugins more than once
     vllm_plugin.register()
-    assert (InputBatch.update_async_output_token_ids,
-            InputBatch.update_async_spec_token_ids, penalties._convert_to_tensors,
-            GPUModelRunner._bookkeeping_sync) == installed
+    assert current() == installed
     assert patch.original() is STOCK_METHOD
     infos = logs.at(logging.INFO)
-    assert len(infos) == 4
+    assert len(infos) == len(PATCHES)
     for info, module in zip(infos, PATCHES.values(), strict=True):
         for expected in (fastbatch.__version__, "vLLM 0.33.0", module.TARGET,
                          "compiled kernel"):
@@ -129,7 +140,8 @@ def test_switch_on_installs_once(monkeypatch, logs, value):
     ("penalties", {"penalties"}), ("SPEC", {"spec"}), ("output,penalties", {"output",
                                                                            "penalties"}),
     (" spec  output ", {"spec", "output"}), ("bookkeeping", {"bookkeeping"}),
-    ("output,spec,penalties,bookkeeping", set(PATCHES)),
+    (",".join(PATCHES), set(PATCHES)),
+    ("prev_positions INPUT_IDS", {"prev_positions", "input_ids"}),
 ])
 def test_disable_leaves_single_pieces_stock(monkeypatch, logs, value, stock):
     monkeypatch.setenv("FASTBATCH", "1")
@@ -140,6 +152,9 @@ def test_disable_leaves_single_pieces_stock(monkeypatch, logs, value, stock):
     assert (InputBatch.update_async_spec_token_ids is STOCK_SPEC_METHOD) == ("spec" in stock)
     assert (penalties._convert_to_tensors is STOCK_CONVERT) == ("penalties" in stock)
     assert (GPUModelRunner._bookkeeping_sync is STOCK_BOOKKEEPING) == ("bookkeeping" in stock)
+    assert (GPUModelRunner._compute_prev_positions is STOCK_PREV_POSITIONS) == (
+        "prev_positions" in stock)
+    assert (GPUModelRunner._prepare_input_ids is STOCK_INPUT_IDS) == ("input_ids" in stock)
     left_stock = [info for info in logs.at(logging.INFO) if "left stock" in info]
     assert len(left_stock) == len(stock)
     assert logs.at(logging.WARNING) == []
@@ -149,8 +164,7 @@ def test_disable_with_an_unknown_name_warns(monkeypatch, logs):
     monkeypatch.setenv("FASTBATCH", "1")
     monkeypatch.setenv("FASTBATCH_DISABLE", "penalty, spec")
     vllm_plugin.register()
-    assert vllm_plugin.status()["patches"] == {"output": True, "spec": False,
-                                               "penalties": True, "bookkeeping": True}
+    assert vllm_plugin.status()["patches"] == {name: name != "spec" for name in PATCHES}
     (warning,) = logs.at(logging.WARNING)
     assert "'penalty'" in warning and "output, spec, penalties, bookkeeping" in warning
 
@@ -201,6 +215,7 @@ def test_plugin_loaded_by_vllm_itself(monkeypatch):
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
         assert getattr(InputBatch.update_async_output_token_ids, "__fastbatch__", False)
         assert getattr(GPUModelRunner._bookkeeping_sync, "__fastbatch__", False)
+        assert getattr(GPUModelRunner._prepare_input_ids, "__fastbatch__", False)
         print("patched by vLLM's loader")
     """)
     result = subprocess.run([sys.executable, "-W", "ignore", "-c", script],
@@ -229,8 +244,7 @@ def test_guard_refuses_a_changed_spec_method(monkeypatch, logs):
     monkeypatch.setenv("FASTBATCH", "1")
     vllm_plugin.register()
     assert InputBatch.update_async_spec_token_ids is changed
-    assert vllm_plugin.status()["patches"] == {"output": True, "spec": False,
-                                               "penalties": True, "bookkeeping": True}
+    assert vllm_plugin.status()["patches"] == {name: name != "spec" for name in PATCHES}
     (warning,) = logs.at(logging.WARNING)
     assert spec_patch.TARGET in warning and "not a verified variant" in warning
 
@@ -264,8 +278,8 @@ def test_penalties_stay_stock_where_stock_cannot_pin(monkeypatch, logs):
     monkeypatch.setenv("FASTBATCH", "1")
     vllm_plugin.register()
     assert penalties._convert_to_tensors is STOCK_CONVERT
-    assert vllm_plugin.status()["patches"] == {"output": True, "spec": True,
-                                               "penalties": False, "bookkeeping": True}
+    assert vllm_plugin.status()["patches"] == {name: name != "penalties"
+                                               for name in PATCHES}
     (error,) = logs.at(logging.ERROR)
     assert "activation check failed" in error and penalty_patch.TARGET in error
 

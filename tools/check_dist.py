@@ -21,7 +21,9 @@ def main(dist: Path) -> None:
                      "fastbatch/patches/async_output_token_ids.py",
                      "fastbatch/patches/async_spec_token_ids.py",
                      "fastbatch/patches/bookkeeping_sync.py",
-                     "fastbatch/patches/penalty_output_tokens.py"):
+                     "fastbatch/patches/penalty_output_tokens.py",
+                     "fastbatch/patches/prev_positions.py",
+                     "fastbatch/patches/prepare_input_ids.py"):
         assert required in names, f"{required} missing from {wheel.name}"
     for piece in pieces:
         assert any(n.startswith(f"fastbatch/_kernels/{piece}.") and n.endswith(".so")

@@ -9,6 +9,7 @@ table and the error paths live once, in ``_common.pyx``.
 """
 
 from cpython.object cimport PyObject
+from cpython.buffer cimport Py_buffer
 from libc.stdint cimport int64_t
 
 
@@ -86,3 +87,7 @@ cdef inline Py_ssize_t as_row(PyObject* req_id, PyObject* prev_index) except -1:
     if PyLong_CheckExact(prev_index):
         row = long_as_small_index(prev_index)
     return row if row >= 0 else as_row_slow(req_id, prev_index)
+
+
+cdef int view_int_column(object array, str name, Py_buffer* view, int flags,
+                         bint int32_too) except -1

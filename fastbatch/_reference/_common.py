@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Iterable
+from typing import Any
 
 
 def check_types(**arguments: tuple[object, type]) -> None:
@@ -39,3 +41,23 @@ class Counters:
     def reset_stats(self) -> None:
         """Set every counter of ``stats()`` back to zero."""
         self.values.update(dict.fromkeys(self._keys, 0))
+
+
+def int_column(array: Any, name: str, *, writable: bool, int32_too: bool) -> memoryview:
+    """``array`` as a 1-D memoryview of int64 (or, with ``int32_too``, int32)
+    items, as the compiled pieces take it: TypeError naming ``name`` otherwise."""
+    kinds = "int32 or int64" if int32_too else "int64"
+    try:
+        view = memoryview(array)
+    except TypeError as exc:
+        raise TypeError(f"{name} must be a {'writable ' if writable else ''}1-D int "
+                        f"array, got {type(array).__name__} ({exc})") from None
+    form = view.format.lstrip("@=" + ("<" if sys.byteorder == "little" else ""))
+    if not (view.ndim == 1 and ((view.itemsize == 8 and form in ("l", "q"))
+                                or (int32_too and view.itemsize == 4 and form in ("i", "l")))):
+        raise TypeError(f"{name} must be a 1-D {kinds} array, got a {view.ndim}-D "
+                        f"array of format {view.format!r}")
+    if writable and view.readonly:
+        raise TypeError(f"{name} must be a writable 1-D int array, got "
+                        f"{type(array).__name__} (read-only)")
+    return view

@@ -106,7 +106,12 @@ class Patch:
         started = time.perf_counter()
         if self._original is not None:
             return True  # already applied in this process
-        owner, name, method = _lookup(self.module, self.qualname)
+        try:
+            owner, name, method = _lookup(self.module, self.qualname)
+        except ImportError as exc:  # a module this vLLM cannot import here
+            logger.warning("fastbatch: %s cannot be imported (%s); leaving it stock",
+                           self.module, exc)
+            return False
         problem = self.check_target(vllm.__version__, method)
         if problem is not None:
             if not force:
