@@ -16,6 +16,12 @@ Workloads (tools/vllm_generate.py arguments below):
           tokens: the async spec-token update runs every step, and penalties
           make the target reject drafts, so the output lists shrink.
 
+The fastbatch runs check every replaced call against vLLM's own code
+(``FASTBATCH_VERIFY=1``) and must report no divergence, except the run with
+workers, which runs fastbatch as users run it by default.  One run plants a
+subtle bug in fastbatch (``--plant-bug``): the shadow check must catch it and
+keep the outputs stock's.  Every worker must say it runs the V1 runner.
+
 Why a draft model and not the n-gram proposer: vLLM 0.32.0 refuses async
 scheduling with ``method="ngram"`` on every platform (``VllmConfig.__post_init__``,
 vllm/config/vllm.py:1563-1575, "async scheduling is only supported with
@@ -29,6 +35,7 @@ memory allocator is available").  Without async scheduling vLLM never calls
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +54,24 @@ WORKLOADS = {
 }
 
 
+def fastbatch_lines(run, text):
+    """The lines of a run's log that hold ``text``."""
+    return [line for line in run["log"] if text in line]
+
+
+def assert_checked_without_divergence(worker, *pieces):
+    """FASTBATCH_VERIFY checked each of ``pieces`` and found no divergence."""
+    verify = worker["verify"]
+    assert verify["rate"] == 1.0
+    assert verify["divergences"] == dict.fromkeys(PATCH_NAMES, 0)
+    for piece in pieces:
+        assert verify["checked"][piece] > 0, verify
+
+
+V1_ALL_ACT = ("fastbatch: V1 model runner in use (CPUModelRunner, async scheduling on): "
+              "output, spec, penalties can act here")
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
@@ -61,31 +86,40 @@ def generate(tiny_model, tmp_path_factory):
     cache = {}
 
     def run(fastbatch: bool, async_scheduling: bool = True, workers: bool = False,
-            workload: str = "mixed", disable: str = ""):
-        key = (fastbatch, async_scheduling, workers, workload, disable)
+            workload: str = "mixed", disable: str = "", verify: str = "",
+            plant_bug: bool = False):
+        key = (fastbatch, async_scheduling, workers, workload, disable, verify, plant_bug)
         if key not in cache:
-            out = tmp_path_factory.mktemp("run") / "result.json"
+            folder = tmp_path_factory.mktemp("run")
+            out = folder / "result.json"
             env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", OMP_NUM_THREADS="1",
                        VLLM_USE_V2_MODEL_RUNNER="0", FASTBATCH_E2E_FORCE_ASYNC="1",
                        VLLM_ENABLE_V1_MULTIPROCESSING="1" if workers else "0",
                        # lets collective_rpc send fastbatch.vllm_plugin.status
                        # to a worker process
                        VLLM_ALLOW_INSECURE_SERIALIZATION="1")
-            env.pop("FASTBATCH", None)
-            env.pop("FASTBATCH_DISABLE", None)
+            for name in ("FASTBATCH", "FASTBATCH_DISABLE", "FASTBATCH_VERIFY"):
+                env.pop(name, None)
             if fastbatch:
                 env["FASTBATCH"] = "1"
             if disable:
                 env["FASTBATCH_DISABLE"] = disable
+            if verify:
+                env["FASTBATCH_VERIFY"] = verify
+            env["FASTBATCH_VERIFY_DIR"] = str(folder / "reproducers")
             command = [sys.executable, str(TOOLS / "vllm_generate.py"),
                        "--model", str(tiny_model), "--out", str(out),
                        *(arg.format(model=tiny_model) for arg in WORKLOADS[workload])]
             if async_scheduling:
                 command.append("--async-scheduling")
+            if plant_bug:
+                command.append("--plant-bug")
             result = subprocess.run(command, env=env, capture_output=True, text=True,
                                     timeout=600, check=False)
             assert result.returncode == 0, result.stderr[-5000:]
             cache[key] = json.loads(out.read_text())
+            cache[key]["log"] = (result.stdout + result.stderr).splitlines()
+            cache[key]["reproducers"] = sorted((folder / "reproducers").glob("*.pkl"))
         return cache[key]
 
     return run
@@ -94,10 +128,17 @@ def generate(tiny_model, tmp_path_factory):
 def test_fastbatch_gives_stock_tokens_and_really_ran(generate):
     stock_sync = generate(fastbatch=False, async_scheduling=False)
     stock = generate(fastbatch=False)
-    ours = generate(fastbatch=True)
+    ours = generate(fastbatch=True, verify="1")
 
     (stock_worker,) = stock["workers"]
     (our_worker,) = ours["workers"]
+    assert stock_worker["runner"] == our_worker["runner"] == "v1"
+    assert fastbatch_lines(ours, "model runner in use") == [
+        line for line in ours["log"] if line.endswith(V1_ALL_ACT)]
+    assert len(fastbatch_lines(ours, "model runner in use")) == 1
+    assert fastbatch_lines(stock, "model runner in use") == []  # FASTBATCH off: silent
+    assert_checked_without_divergence(our_worker, "output", "penalties")
+    assert ours["reproducers"] == []
     assert stock_worker["async_scheduling"] is True  # the async path really ran
     assert stock_sync["workers"][0]["async_scheduling"] is False
     assert stock_worker["installed"] is False
@@ -131,6 +172,11 @@ def test_worker_processes_report_whether_fastbatch_is_installed(generate):
     (worker,) = with_workers["workers"]
     assert worker["pid"] != with_workers["driver_pid"]  # asked in the worker process
     assert worker["installed"] is True and worker["async_scheduling"] is True
+    assert worker["runner"] == "v1"
+    assert worker["verify"]["rate"] == 0.0  # unchecked, as users run it by default
+    # One line, from the worker process (the driver and EngineCore build no runner).
+    (line,) = fastbatch_lines(with_workers, "model runner in use")
+    assert line.endswith(V1_ALL_ACT)
     assert worker["stats"]["requests_updated"] > 100
     assert without["workers"][0]["installed"] is False
     assert without["workers"][0]["pid"] != without["driver_pid"]
@@ -139,10 +185,11 @@ def test_worker_processes_report_whether_fastbatch_is_installed(generate):
 
 def test_penalties_kernel_at_long_outputs(generate):
     stock = generate(fastbatch=False, workload="long")
-    ours = generate(fastbatch=True, workload="long")
+    ours = generate(fastbatch=True, workload="long", verify="1")
 
     (stock_worker,) = stock["workers"]
     (our_worker,) = ours["workers"]
+    assert_checked_without_divergence(our_worker, "output", "penalties")
     assert stock_worker["async_scheduling"] is our_worker["async_scheduling"] is True
     assert stock_worker["patches"] == dict.fromkeys(PATCH_NAMES, False)
     assert our_worker["patches"] == dict.fromkeys(PATCH_NAMES, True)
@@ -181,10 +228,11 @@ def test_disable_penalties_leaves_that_piece_stock(generate):
 
 def test_spec_decode_async_spec_tokens_replaced(generate):
     stock = generate(fastbatch=False, workload="spec")
-    ours = generate(fastbatch=True, workload="spec")
+    ours = generate(fastbatch=True, workload="spec", verify="1")
 
     (stock_worker,) = stock["workers"]
     (our_worker,) = ours["workers"]
+    assert_checked_without_divergence(our_worker, "output", "spec", "penalties")
     assert stock_worker["async_scheduling"] is our_worker["async_scheduling"] is True
     assert stock_worker["patches"] == dict.fromkeys(PATCH_NAMES, False)
     assert our_worker["patches"] == dict.fromkeys(PATCH_NAMES, True)
@@ -204,3 +252,43 @@ def test_spec_decode_async_spec_tokens_replaced(generate):
     assert stats["placeholders_dropped"] > 0
     # The rejection sampler applied penalties through the kernel.
     assert stats["penalty_tensors"] > 0 and stats["penalty_tokens"] > 0
+
+
+def planted_output_bug(kernel):
+    """tools/vllm_generate.py's --plant-bug, for the replay below."""
+    def wrong_for_big_ids(req_ids, prev, output_token_ids, sampled, copy_ready=None):
+        kernel(req_ids, prev, output_token_ids, sampled, copy_ready)
+        for ids in output_token_ids:
+            if ids and ids[-1] >= 256:
+                ids[-1] ^= 1
+    return wrong_for_big_ids
+
+
+def test_verify_catches_a_planted_bug_and_keeps_stock_tokens(generate, monkeypatch):
+    """A bug the activation check cannot see (ids >= 256 only) in a real engine:
+    FASTBATCH_VERIFY reports it once, with a reproducer, and vLLM's results
+    stay in place, so every token is stock's."""
+    stock = generate(fastbatch=False)
+    planted = generate(fastbatch=True, verify="1", plant_bug=True)
+
+    (worker,) = planted["workers"]
+    assert worker["patches"] == dict.fromkeys(PATCH_NAMES, True)  # the check passed
+    assert worker["verify"]["divergences"] == {"output": 1, "spec": 0, "penalties": 0}
+    assert planted["token_ids"] == stock["token_ids"]
+    (error,) = fastbatch_lines(planted, "diverged from vLLM")
+    assert "piece 'output'" in error and "vLLM's result was kept" in error
+    # Every kernel call was checked, up to the divergence; then vLLM's code ran.
+    assert worker["verify"]["checked"]["output"] == worker["stats"]["calls"] > 0
+
+    (path,) = planted["reproducers"]
+    assert str(path) in error
+    record = pickle.loads(path.read_bytes())
+    assert record["piece"] == "output" and record["vllm_version"] == "0.32.0"
+    assert record["fastbatch_outcome"] != record["stock_outcome"]
+    import fastbatch
+    from fastbatch import vllm_plugin
+
+    assert vllm_plugin.replay(str(path)) is None  # the real kernel agrees with vLLM
+    monkeypatch.setattr(fastbatch, "update_async_output_token_ids",
+                        planted_output_bug(fastbatch.update_async_output_token_ids))
+    assert "fastbatch left" in vllm_plugin.replay(str(path))  # the bug, replayed

@@ -18,6 +18,8 @@ requests join and leave mid-flight and rows are remapped between steps.
 drafter (``method="draft_model"``: with async scheduling, vLLM 0.32.0 accepts
 only EAGLE/MTP, draft-model, ``ngram_gpu``, DSpark and DFlash drafters, and
 the CPU backend cannot build ``ngram_gpu``'s pinned buffers).
+``--plant-bug`` (tests only, in-process runs) makes fastbatch's output
+update subtly wrong (see ``plant_output_bug``), for the FASTBATCH_VERIFY test.
 """
 
 from __future__ import annotations
@@ -118,6 +120,28 @@ def _time_replaced_methods() -> dict[str, dict[str, float]]:
     return timings
 
 
+PLANTED_BUG_MIN_ID = 256
+
+
+def plant_output_bug() -> None:
+    """Make fastbatch's output-token kernel wrong only for token ids >= 256:
+    after its (right) update, a list ending in such an id gets its last bit
+    flipped.  The activation check's ids are all below 100, so it passes;
+    only FASTBATCH_VERIFY can see it."""
+    import fastbatch
+
+    kernel = fastbatch.update_async_output_token_ids
+
+    def wrong_for_big_ids(req_ids, prev_req_id_to_index, output_token_ids, sampled,
+                          copy_ready=None):
+        kernel(req_ids, prev_req_id_to_index, output_token_ids, sampled, copy_ready)
+        for ids in output_token_ids:
+            if ids and ids[-1] >= PLANTED_BUG_MIN_ID:
+                ids[-1] ^= 1
+
+    fastbatch.update_async_output_token_ids = wrong_for_big_ids
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
@@ -142,6 +166,9 @@ def main() -> None:
                         help="time the replaced functions (needs in-process vLLM)")
     parser.add_argument("--no-plain", action="store_true",
                         help="skip the plain-greedy rerun (benchmarks)")
+    parser.add_argument("--plant-bug", action="store_true",
+                        help="tests only: a subtle bug in fastbatch's output update "
+                             "(needs in-process vLLM)")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -150,6 +177,8 @@ def main() -> None:
 
     import fastbatch.vllm_plugin
 
+    if args.plant_bug:
+        plant_output_bug()
     report: dict = {"import_s": time.perf_counter() - started}
     started = time.perf_counter()
     speculative_config = None if args.draft_model is None else {
