@@ -28,7 +28,7 @@ VARIANTS = ("stock", "forward_scan", "fastbatch", "fallback", "floor")
 SPEC_VARIANTS = ("stock", "fastbatch", "fallback", "floor")
 PENALTY_VARIANTS = ("stock", "stock_convert", "fastbatch", "fallback")
 BENCHMARK_FILES = ("test_update_benchmarks.py", "test_spec_benchmarks.py",
-                   "test_penalty_benchmarks.py")
+                   "test_penalty_benchmarks.py", "test_verify_benchmarks.py")
 
 
 def run_grid(raw: Path, extra: list[str]) -> float:

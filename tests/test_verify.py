@@ -318,29 +318,20 @@ def test_spec_divergence_keeps_vllm_result_in_the_same_lists(verify, monkeypatch
     assert "'spec'" in error
 
 
-@settings(max_examples=200)
-@given(batch=spec_batches())
-def test_spec_no_false_divergence_with_shared_lists(batch):
-    """vLLM's loop on stand-ins whose spec lists and draft rows may be shared:
-    the shadow's copies alias as the originals do."""
+@settings(max_examples=int(os.environ.get("FASTBATCH_VLLM_EXAMPLES", 1000)) // 4)
+@given(batch=spec_batches(max_reqs=10))
+def test_spec_no_false_divergence_on_generated_batches(batch):
     note(repr(batch))
-    from types import SimpleNamespace
-
     spec_patch.revert()  # no counters left from another test
-    stock, ours = batch.clone(), batch.clone()
     original = spec_patch.original() or InputBatch.update_async_spec_token_ids
     checked = spec_patch.PATCH.checked_replacement(original, 1.0)
-
-    def as_batch(state):
-        return SimpleNamespace(req_ids=state.req_ids,
-                               prev_req_id_to_index=state.prev_req_id_to_index,
-                               sampling_metadata=SimpleNamespace(
-                                   spec_token_ids=state.spec_token_ids))
-
-    original(as_batch(stock), stock.draft_token_ids)
-    checked(as_batch(ours), ours.draft_token_ids)
+    stock, ours = _real_spec_batch(batch), _real_spec_batch(batch)
+    stock_drafts, our_drafts = batch.clone().draft_token_ids, batch.clone().draft_token_ids
+    original(stock, stock_drafts)
+    checked(ours, our_drafts)
     assert spec_patch.PATCH.divergences == 0
-    assert ours.lists() == stock.lists()
+    assert ours.spec_token_ids == stock.spec_token_ids
+    assert our_drafts == stock_drafts
 
 
 # --- the penalties' tensor ---------------------------------------------------
@@ -355,7 +346,9 @@ def test_penalties_divergence_returns_vllm_tensor(verify, monkeypatch, logs):
     rows = [list(range(100)), [5, -1]]
     got = penalties._convert_to_tensors(rows, 200, "cpu")
     expected = penalty_patch.original()(rows, 200, "cpu")
-    assert torch.equal(got, expected) and got[1, 1] == -1  # stock's, masked later
+    assert expected[1, 1] == -1
+    # vLLM's tensor, masked as apply_all_penalties masks it next.
+    assert torch.equal(got, expected.masked_fill(expected == -1, 200))
     status = vllm_plugin.status()["verify"]
     assert status["checked"]["penalties"] == 2
     assert status["divergences"]["penalties"] == 1

@@ -19,7 +19,9 @@ this one stock.
 
 Shadow check (``FASTBATCH_VERIFY``): vLLM's method runs on copies of the
 spec lists and draft rows (both short); on a divergence vLLM's results are
-written back into the same list objects.
+written back into the same list objects.  The copies assume that no list
+appears twice in the call (true in vLLM: each spec list is its request's row
+of ``InputBatch.spec_token_ids``, each draft row a fresh ``.tolist()`` row).
 """
 
 from __future__ import annotations
@@ -92,20 +94,9 @@ def activation_check(method: Any, replacement: Any) -> str | None:
 
 
 def _copy_lists(spec_token_ids: list[Any], draft_token_ids: list[Any]) -> tuple[Any, Any]:
-    """Copies of the spec lists and draft rows; a list that appears more than
-    once (vLLM's loop allows it) is copied once, so the copies alias as the
-    originals do."""
-    copies: dict[int, list[int]] = {}
-
-    def copy(row: list[int] | None) -> list[int] | None:
-        if row is None:
-            return None
-        found = copies.get(id(row))
-        if found is None:
-            found = copies[id(row)] = list(row)
-        return found
-
-    return [copy(row) for row in spec_token_ids], [copy(row) for row in draft_token_ids]
+    """Copies of the spec lists and draft rows."""
+    return ([None if row is None else row[:] for row in spec_token_ids],
+            [None if row is None else row[:] for row in draft_token_ids])
 
 
 def _snapshot(batch: Any, draft_token_ids: list[list[int]]) -> dict[str, Any] | None:
@@ -133,7 +124,9 @@ def _run(method: Any, inputs: dict[str, Any]) -> tuple[Any, Any]:
 
 def _outcome(inputs: dict[str, Any], result: None, batch: Any,
              draft_token_ids: list[list[int]]) -> tuple[Any, Any]:
-    return _copy_lists(batch.sampling_metadata.spec_token_ids, draft_token_ids)
+    """The live lists themselves (compared, and pickled on a divergence, before
+    ``_restore`` changes them)."""
+    return batch.sampling_metadata.spec_token_ids, draft_token_ids
 
 
 def _restore(inputs: dict[str, Any], stock: tuple[Any, Any], result: None, batch: Any,

@@ -34,9 +34,11 @@ fingerprints ``apply_all_penalties`` (the masking after the call) and
 ``FASTBATCH_DISABLE=penalties`` leaves this one stock.
 
 Shadow check (``FASTBATCH_VERIFY``): vLLM's function runs on a copy of the
-rows; its tensor, masked as ``apply_all_penalties`` masks it, must equal
-fastbatch's (values, dtype, shape, device, pinning).  On a divergence the
-call returns vLLM's own tensor, which ``apply_all_penalties`` then masks.
+rows (taken before fastbatch's call; both only read it); its tensor, masked
+in place as ``apply_all_penalties`` masks it, must equal fastbatch's (values,
+dtype, shape, device, pinning).  On a divergence the call returns vLLM's
+tensor (already masked: the masking that follows then changes nothing, as
+after fastbatch's).
 """
 
 from __future__ import annotations
@@ -107,13 +109,12 @@ def _synthetic_inputs() -> list[tuple[list[list[int]], int]]:
 
 
 def _differs(got: Any, expected: Any, vocab_size: int) -> str | None:
-    """Why ``got`` is not vLLM's ``expected`` once masked as stock masks it
-    after the call, or None."""
+    """Why ``got`` is not vLLM's ``expected`` once masked (in place) as stock
+    masks it after the call, or None."""
     import torch
 
-    masked = expected.masked_fill(expected == -1, vocab_size)
-    kinds = [(t.dtype, tuple(t.shape), t.device, pinned.is_pinned())
-             for t, pinned in ((got, got), (masked, expected))]
+    masked = expected.masked_fill_(expected == -1, vocab_size)
+    kinds = [(t.dtype, tuple(t.shape), t.device, t.is_pinned()) for t in (got, masked)]
     if kinds[0] != kinds[1]:
         return (f"fastbatch gave a tensor of (dtype, shape, device, pinned) {kinds[0]}, "
                 f"vLLM {kinds[1]}")
@@ -131,8 +132,9 @@ def _snapshot(output_token_ids: list[list[int]], vocab_size: int,
 
 
 def _run(function: Any, inputs: dict[str, Any]) -> tuple[Any, int]:
-    rows = [row[:] for row in inputs["output_token_ids"]]
-    return function(rows, inputs["vocab_size"], inputs["device"]), inputs["vocab_size"]
+    """``function`` on the snapshot's rows (it only reads them: no second copy)."""
+    return (function(inputs["output_token_ids"], inputs["vocab_size"], inputs["device"]),
+            inputs["vocab_size"])
 
 
 def _outcome(inputs: dict[str, Any], result: Any, *args: Any) -> tuple[Any, int]:
