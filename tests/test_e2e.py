@@ -16,9 +16,10 @@ Workloads (tools/vllm_generate.py arguments below):
           tokens: the async spec-token update runs every step, and penalties
           make the target reject drafts, so the output lists shrink.
 
-The fastbatch runs check every replaced call against vLLM's own code
-(``FASTBATCH_VERIFY=1``) and must report no divergence, except the run with
-workers, which runs fastbatch as users run it by default.  One run plants a
+The in-process fastbatch runs of the three workloads check every replaced
+call against vLLM's own code (``FASTBATCH_VERIFY=1``) and must report no
+divergence; the run with workers and the ``FASTBATCH_DISABLE`` run leave it
+off, as users run fastbatch by default.  One run plants a
 subtle bug in fastbatch (``--plant-bug``): the shadow check must catch it and
 keep the outputs stock's.  Every worker must say it runs the V1 runner.
 
