@@ -13,6 +13,7 @@ def main(dist: Path) -> None:
     assert "-none-any" not in wheel.name, f"{wheel.name} is not a platform wheel"
     names = zipfile.ZipFile(wheel).namelist()
     for required in ("fastbatch/py.typed", "fastbatch/_kernel.pyi", "fastbatch/vllm_plugin.py",
+                     "fastbatch/__main__.py", "fastbatch/model_runner.py",
                      "fastbatch/patches/_patch.py",
                      "fastbatch/patches/async_output_token_ids.py",
                      "fastbatch/patches/async_spec_token_ids.py",
