@@ -1,4 +1,4 @@
-"""Build of the Cython kernel; all metadata is in pyproject.toml.
+"""Build of the compiled pieces (Cython); all metadata is in pyproject.toml.
 
 Environment switches (read at build time):
 
@@ -29,12 +29,14 @@ COMPILER_DIRECTIVES = {
 extra_compile_args = (["-O0", "-g3", "-fno-omit-frame-pointer"] if DEBUG
                       else os.environ.get("FASTBATCH_OPT", "-O3").split())
 
+# One extension module per piece (fastbatch/_kernels/<piece>.pyx, named like
+# its patch), plus _common, which they all cimport.
 extensions = [
     Extension(
-        "fastbatch._kernel",
-        ["fastbatch/_kernel.pyx"],
-        include_dirs=["fastbatch"],
-        depends=["fastbatch/_pylong.h"],
+        "fastbatch._kernels.*",
+        ["fastbatch/_kernels/*.pyx"],
+        include_dirs=["fastbatch/_kernels"],
+        depends=["fastbatch/_kernels/_pylong.h", "fastbatch/_kernels/_common.pxd"],
         extra_compile_args=extra_compile_args,
         undef_macros=["NDEBUG"] if DEBUG else [],
     )

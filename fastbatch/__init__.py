@@ -9,9 +9,10 @@
 * ``output_tokens_tensor(output_token_ids, vocab_size, pin_memory=False)``:
   the penalties' padded output-token tensor, ``-1`` already masked.
 
-``COMPILED`` says whether the Cython kernel is in use; if it cannot be
-imported, the pure-Python reference takes its place and one
-``RuntimeWarning`` says so.
+Each is a compiled piece (``fastbatch._kernels``, one module per piece) with a
+pure-Python twin (``fastbatch._reference``).  ``COMPILED`` says whether the
+compiled pieces are in use; if they cannot be imported, the twins take their
+place and one ``RuntimeWarning`` says so.
 """
 
 import warnings
@@ -19,7 +20,7 @@ import warnings
 __version__ = "0.1.0"
 
 try:
-    from fastbatch._kernel import (
+    from fastbatch._kernels import (
         output_tokens_tensor,
         reset_stats,
         stats,

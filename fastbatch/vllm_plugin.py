@@ -116,7 +116,8 @@ def kernel_missing_reason() -> str:
     import fastbatch
 
     folder = os.path.dirname(fastbatch.__file__)
-    built = sorted(name for name in os.listdir(folder)
+    built = sorted(os.path.relpath(os.path.join(where, name), folder)
+                   for where, _, names in os.walk(folder) for name in names
                    if name.endswith((".so", ".pyd")))
     if not built:
         return f"no compiled module in {folder} (a source tree without a build?)"

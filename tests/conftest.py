@@ -46,5 +46,5 @@ def implementation(request):
     """Each implementation: the compiled kernel and the pure-Python fallback."""
     if request.param == "compiled":
         assert fastbatch.COMPILED, "the compiled kernel is not importable"
-        return fastbatch._kernel
+        return fastbatch._kernels
     return _reference

@@ -185,7 +185,7 @@ def test_none_output_entry_is_a_hole_not_an_error(implementation):
 
 def test_batch_changed_during_synchronize_is_caught_by_compiled():
     """The compiled kernel re-checks each list after the callback: no stale index."""
-    import fastbatch._kernel as kernel
+    import fastbatch._kernels as kernel
 
     req_ids, prev, outputs, sampled = _good_batch(2)
 

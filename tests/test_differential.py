@@ -45,7 +45,7 @@ def test_matches_vllm_loop(implementation, batch, copy_ready_kind):
 @given(batch=batches())
 def test_compiled_and_reference_agree_on_results_and_stats(batch):
     results, stats = [], []
-    for module in (fastbatch._kernel, _reference):
+    for module in (fastbatch._kernels, _reference):
         module.reset_stats()
         state = batch.clone()
         result, syncs = _run(module.update_async_output_token_ids, state)

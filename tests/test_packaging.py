@@ -1,4 +1,4 @@
-"""The installed package: compiled kernel in use, typing files shipped, fallback."""
+"""The installed package: compiled pieces in use, typing files shipped, fallback."""
 
 import importlib.machinery
 import importlib.resources
@@ -7,35 +7,66 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import fastbatch
+import fastbatch._kernels
+
+# Each compiled piece, by module (named like its patch), and its public function.
+PIECES = {
+    "async_output_token_ids": "update_async_output_token_ids",
+    "async_spec_token_ids": "update_async_spec_token_ids",
+    "penalty_output_tokens": "output_tokens_tensor",
+}
 
 
-def test_compiled_kernel_is_the_one_imported():
+def _piece(name):
+    return importlib.import_module(f"fastbatch._kernels.{name}")
+
+
+@pytest.mark.parametrize("name", [*PIECES, "_common"])
+def test_every_piece_is_a_compiled_module(name):
     assert fastbatch.COMPILED
-    assert fastbatch.update_async_output_token_ids is (
-        fastbatch._kernel.update_async_output_token_ids)
-    assert fastbatch._kernel.__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+    assert _piece(name).__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
+
+
+@pytest.mark.parametrize("name", PIECES)
+def test_the_package_exports_the_compiled_functions(name):
+    function = PIECES[name]
+    assert getattr(fastbatch, function) is getattr(_piece(name), function)
 
 
 def test_tests_run_against_the_installed_package():
     """Under tox (FASTBATCH_EXPECT_INSTALLED=1) the wheel in site-packages is tested."""
     if os.environ.get("FASTBATCH_EXPECT_INSTALLED") == "1":
         assert "site-packages" in fastbatch.__file__, fastbatch.__file__
-    assert fastbatch._kernel.__file__.startswith(os.path.dirname(fastbatch.__file__))
+    for name in PIECES:
+        assert _piece(name).__file__.startswith(os.path.dirname(fastbatch.__file__))
 
 
-def test_typing_files_ship_beside_the_kernel():
-    files = importlib.resources.files("fastbatch")
-    assert files.joinpath("py.typed").is_file()
-    stub = files.joinpath("_kernel.pyi").read_text()
-    assert "def update_async_output_token_ids(" in stub
+@pytest.mark.parametrize("name", PIECES)
+def test_typing_files_ship_beside_the_pieces(name):
+    assert importlib.resources.files("fastbatch").joinpath("py.typed").is_file()
+    stub = importlib.resources.files("fastbatch._kernels").joinpath(f"{name}.pyi").read_text()
+    assert f"def {PIECES[name]}(" in stub
+
+
+def test_stats_cover_every_piece():
+    fastbatch.reset_stats()
+    fastbatch.update_async_spec_token_ids([], {}, [], [])
+    fastbatch._kernels.async_output_token_ids.update_async_output_token_ids([], {}, [], None)
+    counts = fastbatch.stats()
+    assert counts["spec_calls"] == 1 and counts["calls"] == 1
+    assert {"penalty_tensors", "penalty_tokens"} <= counts.keys()
+    fastbatch.reset_stats()
+    assert set(fastbatch.stats().values()) == {0}
 
 
 def test_fallback_warns_once_and_works():
     """With the compiled module missing, the reference takes over, with a warning."""
     script = textwrap.dedent("""
         import sys, warnings
-        sys.modules["fastbatch._kernel"] = None  # makes the import fail
+        sys.modules["fastbatch._kernels"] = None  # makes the import fail
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             import fastbatch

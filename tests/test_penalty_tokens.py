@@ -40,7 +40,7 @@ def test_matches_vllm(implementation, rows, vocab_size):
 @given(rows=penalty_rows(), vocab_size=VOCAB_SIZES)
 def test_compiled_and_reference_agree_on_results_and_stats(rows, vocab_size):
     results, stats = [], []
-    for module in (fastbatch._kernel, _reference):
+    for module in (fastbatch._kernels, _reference):
         module.reset_stats()
         results.append(module.output_tokens_tensor(rows, vocab_size))
         stats.append(module.stats())
@@ -122,13 +122,13 @@ def test_list_changed_by_index_is_caught_by_compiled():
 
     row.insert(1, Shrinking())
     with pytest.raises(RuntimeError, match="changed"):
-        fastbatch._kernel.output_tokens_tensor([row], 10)
+        fastbatch._kernels.output_tokens_tensor([row], 10)
 
 
 # --- references and memory ---------------------------------------------------
 
 def test_no_leak_on_success_or_error():
-    kernel = fastbatch._kernel
+    kernel = fastbatch._kernels
     rows = [[300_000 + i, i, -1] * 50 for i in range(64)]
     bad_rows = [*rows, [1.5]]
 

@@ -3,8 +3,9 @@
 ``output_tokens_tensor`` returns a torch tensor, so its own tests
 (test_penalty_tokens.py) need torch, which only the default interpreter's
 environment has; the int reads it relies on differ between CPython 3.11 and
-3.12.  ``_kernel._fill_output_tokens`` runs the same compiled passes into a
-numpy array, so these run wherever the kernel is built (py310 to py313, asan).
+3.12.  ``_kernels.penalty_output_tokens._fill_output_tokens`` runs the same
+compiled passes into a numpy array, so these run wherever the kernel is built
+(py310 to py313, asan).
 """
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-import fastbatch._kernel as kernel
+import fastbatch._kernels.penalty_output_tokens as kernel
 from token_lists import penalty_rows, vllm_0_33_penalty_array
 
 

@@ -4,7 +4,7 @@ success or error (the check itself: ``leaks.assert_no_leak``)."""
 import numpy as np
 import pytest
 
-import fastbatch._kernel as kernel
+import fastbatch._kernels.async_output_token_ids as kernel
 from batches import CountingEvent
 from leaks import assert_no_leak
 

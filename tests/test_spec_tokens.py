@@ -48,7 +48,7 @@ def test_matches_vllm_loop(implementation, batch):
 @given(batch=spec_batches())
 def test_compiled_and_reference_agree_on_results_and_stats(batch):
     results, stats = [], []
-    for module in (fastbatch._kernel, _reference):
+    for module in (fastbatch._kernels, _reference):
         module.reset_stats()
         state = batch.clone()
         results.append((_run(module.update_async_spec_token_ids, state), state.lists()))
@@ -190,7 +190,7 @@ def test_none_entries_are_skipped_as_vllm_skips_them(implementation):
 # --- references and memory ---------------------------------------------------
 
 def test_no_leak_on_success_or_error():
-    kernel = fastbatch._kernel
+    kernel = fastbatch._kernels
     req_ids = [f"r{i}" for i in range(64)]
     prev = {req_id: 63 - i for i, req_id in enumerate(req_ids)}
     spec = [[] for _ in req_ids]

