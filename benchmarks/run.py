@@ -31,7 +31,7 @@ PENALTY_VARIANTS = ("stock", "stock_convert", "fastbatch", "fallback")
 BOOKKEEPING_VARIANTS = ("stock", "fastbatch", "fallback")
 BENCHMARK_FILES = ("test_update_benchmarks.py", "test_spec_benchmarks.py",
                    "test_penalty_benchmarks.py", "test_bookkeeping_benchmarks.py",
-                   "test_runner_input_benchmarks.py")
+                   "test_runner_input_benchmarks.py", "test_verify_benchmarks.py")
 
 
 def run_grid(raw: Path, extra: list[str]) -> float:

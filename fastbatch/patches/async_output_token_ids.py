@@ -17,6 +17,15 @@ state on the GPU), or if vLLM moves the loop into compiled code.
 Safety: see ``fastbatch.patches._patch`` (version and code fingerprint
 guard, activation check on synthetic batches).  ``FASTBATCH_DISABLE=output``
 leaves this one stock.
+
+Shadow check (``FASTBATCH_VERIFY``): vLLM's method runs on a copy of each
+list's tail: the trailing placeholders and the item before them, all that
+vLLM's loop reads or writes of a list (it scans back from the end and stops
+at the first non-placeholder).  Copying whole lists would cost more than
+vLLM's method itself at long outputs.  The tails and lengths are compared;
+on a divergence vLLM's tails are written back into the same list objects
+(they are the requests' ``CachedRequestState.output_token_ids``).  The items
+before a tail are not compared.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import fastbatch
-from fastbatch.patches._patch import Patch
+from fastbatch.patches._patch import Patch, Shadow
 
 # Canonical fingerprint (fastbatch._fingerprint) of the method in every vLLM
 # release fastbatch was verified against: the 0.22.0 reverse-scan version,
@@ -94,6 +103,86 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     return None
 
 
+class _NoWait:
+    """The copy-ready event of a replayed reproducer: the ids are already there."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _tail_start(token_ids: list[int]) -> int:
+    """Where the part of ``token_ids`` that vLLM's loop can touch begins: the
+    item before the trailing placeholders (the whole list if it is all
+    placeholders; the last item if there are none)."""
+    start = len(token_ids)
+    while start > 0 and token_ids[start - 1] == -1:
+        start -= 1
+    return max(start - 1, 0)
+
+
+def _snapshot(batch: Any) -> dict[str, Any] | None:
+    """The call's inputs, each output list cut to its tail (copied); None when
+    vLLM's method returns at once.  The other inputs are only read: shared."""
+    output_token_ids = batch.sampling_metadata.output_token_ids
+    if batch.sampled_token_ids_cpu is None or not output_token_ids:
+        return None
+    offsets = [None if ids is None else _tail_start(ids) for ids in output_token_ids]
+    return {
+        "req_ids": list(batch.req_ids),
+        "prev_req_id_to_index": batch.prev_req_id_to_index,
+        "offsets": offsets,
+        "tails": [None if ids is None else ids[start:]
+                  for ids, start in zip(output_token_ids, offsets, strict=True)],
+        "sampled_token_ids_cpu": batch.sampled_token_ids_cpu,
+        "async_copy_ready_event": batch.async_copy_ready_event,
+    }
+
+
+def _run(method: Any, inputs: dict[str, Any]) -> list[tuple[int, list[int]] | None]:
+    """``method`` on a batch made of copies of the tails; each list's new
+    length and tail."""
+    tails = [None if tail is None else list(tail) for tail in inputs["tails"]]
+    method(SimpleNamespace(
+        req_ids=inputs["req_ids"], prev_req_id_to_index=inputs["prev_req_id_to_index"],
+        sampling_metadata=SimpleNamespace(output_token_ids=tails),
+        sampled_token_ids_cpu=inputs["sampled_token_ids_cpu"],
+        async_copy_ready_event=inputs.get("async_copy_ready_event") or _NoWait()))
+    return [None if tail is None else (start + len(tail), tail)
+            for tail, start in zip(tails, inputs["offsets"], strict=True)]
+
+
+def _outcome(inputs: dict[str, Any], result: None,
+             batch: Any) -> list[tuple[int, list[int]] | None]:
+    """The live lists after fastbatch's call: each one's length and tail."""
+    return [None if ids is None else (len(ids), ids[start:]) for ids, start in zip(
+        batch.sampling_metadata.output_token_ids, inputs["offsets"], strict=True)]
+
+
+def _restore(inputs: dict[str, Any], stock: list[tuple[int, list[int]] | None],
+             result: None, batch: Any) -> None:
+    """vLLM's tails written back into the same list objects."""
+    for ids, start, expected in zip(batch.sampling_metadata.output_token_ids,
+                                    inputs["offsets"], stock, strict=True):
+        if ids is not None and expected is not None:
+            ids[start:] = expected[1]
+
+
+def _compare(ours: list[Any], stock: list[Any]) -> str | None:
+    for index, (got, expected) in enumerate(zip(ours, stock, strict=True)):
+        if got != expected:
+            return (f"request at index {index}: fastbatch left (length, tail) {got}, "
+                    f"vLLM {expected}")
+    return None
+
+
+def _for_reproducer(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The inputs without the copy-ready event (a device event cannot be pickled)."""
+    return {key: value for key, value in inputs.items() if key != "async_copy_ready_event"}
+
+
+SHADOW = Shadow(snapshot=_snapshot, run=_run, outcome=_outcome, restore=_restore,
+                compare=_compare, for_reproducer=_for_reproducer)
+
 PATCH = Patch(
     module="vllm.v1.worker.gpu_input_batch",
     qualname="InputBatch.update_async_output_token_ids",
@@ -101,6 +190,8 @@ PATCH = Patch(
     versions=VERIFIED_VERSIONS,
     fingerprints=VERIFIED_FINGERPRINTS,
     activation_check=activation_check,
+    shadow=SHADOW,
+    needs_async_scheduling=True,
 )
 TARGET = PATCH.target
 apply, revert, original, is_applied, check_target = (

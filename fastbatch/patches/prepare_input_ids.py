@@ -264,6 +264,9 @@ PATCH = Patch(
     versions=VERIFIED_VERSIONS,
     fingerprints=VERIFIED_FINGERPRINTS,
     activation_check=activation_check,
+    # Without async scheduling vLLM returns before the loop (no previous
+    # sampled ids on the device): the piece is installed but has no work.
+    needs_async_scheduling=True,
 )
 TARGET = PATCH.target
 apply, revert, original, is_applied, check_target = (

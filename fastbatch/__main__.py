@@ -1,0 +1,108 @@
+"""``python -m fastbatch``: what ``FASTBATCH=1`` would do here, before turning it on.
+
+Prints fastbatch's version and whether its kernel is compiled; the vLLM
+found; for each piece whether this vLLM is a verified target (or why not)
+and the result of its activation check; and which model runner this vLLM
+picks here by default.  Exits 1 when no piece would act, 0 otherwise.
+
+Needs no GPU and starts no engine: it imports vLLM's modules and runs the
+same guard and activation checks as the plugin, without patching anything.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any
+
+RUNNER_MEANING = {
+    "v1": "fastbatch's pieces can act (they replace code of the V1 runner)",
+    "v2": ("fastbatch's pieces would stay idle: they serve the V1 runner; "
+           "VLLM_USE_V2_MODEL_RUNNER=0 selects V1"),
+}
+
+
+def _piece_lines(name: str, module_name: str, vllm_version: str, compiled: bool,
+                 skipped: set[str]) -> tuple[bool, list[str]]:
+    """Whether the piece would act, and the lines that say why."""
+    from fastbatch.patches._patch import _lookup
+
+    patch = importlib.import_module(module_name).PATCH
+    try:
+        method = _lookup(patch.module, patch.qualname)[2]
+    except Exception as exc:  # vLLM without that module
+        method, problem = None, f"{patch.module} cannot be imported ({exc})"
+    else:
+        problem = patch.check_target(vllm_version, method)
+    lines = [f"  {name}: {patch.target}"]
+    lines.append(f"    target: {'verified' if problem is None else 'refused: ' + problem}")
+    if method is None:
+        check = "not run (nothing to check)"
+    else:
+        try:
+            disagreement = patch.activation_check(method, patch.replacement)
+        except Exception as exc:
+            disagreement = f"raised {type(exc).__name__}: {exc}"
+        check = "passed" if disagreement is None else f"failed: {disagreement}"
+    lines.append(f"    activation check: {check}")
+    acts = problem is None and check == "passed" and compiled and name not in skipped
+    if name in skipped:
+        lines.append("    left stock: listed in FASTBATCH_DISABLE")
+    lines.append(f"    with FASTBATCH=1: {'replaced' if acts else 'stays stock'}")
+    return acts, lines
+
+
+def main() -> int:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's import-time chatter
+    import fastbatch
+    from fastbatch import model_runner, vllm_plugin
+
+    print(f"fastbatch {fastbatch.__version__}: "
+          + ("compiled kernel" if fastbatch.COMPILED else
+             "pure-Python fallback only: " + vllm_plugin.kernel_missing_reason()))
+    if not fastbatch.COMPILED:
+        print("  without the compiled kernel FASTBATCH=1 leaves vLLM stock (the fallback "
+              "is slower than vLLM's own code)")
+    print(f"FASTBATCH={os.environ.get('FASTBATCH', '')!r} ({vllm_plugin.mode()}), "
+          f"FASTBATCH_DISABLE={os.environ.get('FASTBATCH_DISABLE', '')!r}, "
+          f"FASTBATCH_VERIFY={os.environ.get('FASTBATCH_VERIFY', '')!r} "
+          f"(share of calls checked: {vllm_plugin.verify_rate():g})")
+    try:
+        import vllm
+    except ImportError as exc:
+        print(f"vLLM: not found ({exc}); nothing to act on")
+        return 1
+    print(f"vLLM {vllm.__version__} ({os.path.dirname(vllm.__file__)})")
+
+    skipped = vllm_plugin.disabled()
+    acting = []
+    print("pieces:")
+    for name, module_name in vllm_plugin.PATCHES.items():
+        acts, lines = _piece_lines(name, module_name, vllm.__version__,
+                                   fastbatch.COMPILED, skipped)
+        print("\n".join(lines))
+        if acts:
+            acting.append(name)
+
+    runner: Any
+    try:
+        runner, why = model_runner.default_runner()
+    except Exception as exc:  # a platform vLLM cannot configure without a model
+        runner, why = "unknown", f"cannot tell ({type(exc).__name__}: {exc})"
+    print(f"model runner by default here: {runner.upper() if runner != 'unknown' else runner}"
+          f" ({why})")
+    print(f"  {RUNNER_MEANING.get(runner, 'fastbatch cannot tell whether its pieces act')}")
+    print("  (a feature Model Runner V2 lacks also selects V1: see the README)")
+
+    if runner == "v2":
+        acting = []
+    if acting:
+        print(f"verdict: with FASTBATCH=1 these pieces would act: {', '.join(acting)}")
+        return 0
+    print("verdict: with FASTBATCH=1 nothing would act here")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""``python -m fastbatch``, the self-check, run as users run it (a subprocess).
+
+Without vLLM (here made unimportable, so this also runs where vLLM is
+installed) and on the real vLLM 0.33.0 (marker ``vllm``).  It must not need a
+GPU nor start an engine.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import fastbatch
+from fastbatch import vllm_plugin
+
+# Makes vLLM unimportable, then runs the self-check as ``python -m`` does.
+WITHOUT_VLLM = textwrap.dedent("""
+    import runpy, sys
+    sys.modules["vllm"] = None
+    runpy.run_module("fastbatch", run_name="__main__", alter_sys=True)
+""")
+NO_COMPILED_FASTBATCH = textwrap.dedent("""
+    import importlib.machinery, sys
+
+    class NoCompiledFastbatch:
+        def find_spec(self, name, path=None, target=None):
+            if name.startswith("fastbatch."):
+                spec = importlib.machinery.PathFinder.find_spec(name, path)
+                if spec is not None and isinstance(spec.loader,
+                                                   importlib.machinery.ExtensionFileLoader):
+                    raise ImportError(f"{name} blocked by the test")
+            return None
+
+    sys.meta_path.insert(0, NoCompiledFastbatch())
+""")
+
+
+def _self_check(*args, **env):
+    environment = {key: value for key, value in os.environ.items()
+                   if not key.startswith(("FASTBATCH", "VLLM_USE_V2"))}
+    environment.update(env)
+    return subprocess.run([sys.executable, "-W", "ignore", *args], capture_output=True,
+                          text=True, env=environment, timeout=300, check=False)
+
+
+def test_without_vllm_nothing_would_act():
+    result = _self_check("-c", WITHOUT_VLLM)
+    assert result.returncode == 1, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"fastbatch {fastbatch.__version__}: compiled kernel"
+    assert "vLLM: not found" in lines[2]
+    assert lines[-1].endswith("nothing to act on")
+
+
+def test_without_the_compiled_kernel_says_so():
+    result = _self_check("-c", NO_COMPILED_FASTBATCH + WITHOUT_VLLM)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stdout.startswith(
+        f"fastbatch {fastbatch.__version__}: pure-Python fallback only: ")
+    assert "FASTBATCH=1 leaves vLLM stock" in result.stdout
+
+
+@pytest.mark.vllm
+def test_on_vllm_0_33_every_piece_would_act():
+    result = _self_check("-m", "fastbatch", VLLM_TARGET_DEVICE="cpu", FASTBATCH="1")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    out = result.stdout
+    assert "FASTBATCH='1' (on)" in out
+    assert "\nvLLM 0.33.0 (" in out
+    lines = out.splitlines()
+    for name in vllm_plugin.PATCHES:
+        (start,) = [i for i, line in enumerate(lines) if line.startswith(f"  {name}: ")]
+        assert lines[start + 1:start + 4] == [
+            "    target: verified", "    activation check: passed",
+            "    with FASTBATCH=1: replaced"], out
+    # The CPU platform has no Triton: vLLM picks the V1 runner.
+    assert ("model runner by default here: V1 (Model Runner V2 needs Triton, which this "
+            "platform does not have)") in out
+    assert out.splitlines()[-1] == ("verdict: with FASTBATCH=1 these pieces would act: "
+                                    + ", ".join(vllm_plugin.PATCHES))
+
+
+@pytest.mark.vllm
+def test_on_model_runner_v2_nothing_would_act():
+    result = _self_check("-m", "fastbatch", VLLM_TARGET_DEVICE="cpu",
+                         VLLM_USE_V2_MODEL_RUNNER="1", FASTBATCH_DISABLE="spec",
+                         FASTBATCH_VERIFY="often")
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    out = result.stdout
+    assert "FASTBATCH_VERIFY='often' (share of calls checked: 0)" in out
+    assert "    left stock: listed in FASTBATCH_DISABLE" in out
+    assert "model runner by default here: V2 (VLLM_USE_V2_MODEL_RUNNER=1 is set)" in out
+    assert "pieces would stay idle" in out
+    assert out.splitlines()[-1] == "verdict: with FASTBATCH=1 nothing would act here"

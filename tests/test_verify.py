@@ -1,0 +1,381 @@
+"""FASTBATCH_VERIFY, the shadow check, on the real vLLM 0.33.0 code (tox -e vllm).
+
+Each replaced call also runs vLLM's original on a copy of its inputs; a
+divergence keeps vLLM's result (in the very list objects vLLM holds), writes a
+reproducer, counts it, and switches that piece to vLLM's code.  The planted
+bugs below are ones the activation check cannot see (they only show on token
+ids or lengths its small synthetic inputs do not have); the real kernels must
+give no divergence on generated batches.
+"""
+
+import importlib
+import logging
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, note, settings
+from test_vllm_differential import _real_input_batch, _real_spec_batch, vllm_batches
+from vllm.v1.sample.ops import penalties
+from vllm.v1.worker.gpu_input_batch import InputBatch
+
+import fastbatch
+from batches import Batch
+from fastbatch import vllm_plugin
+from fastbatch.patches import async_output_token_ids as patch
+from fastbatch.patches import async_spec_token_ids as spec_patch
+from fastbatch.patches import penalty_output_tokens as penalty_patch
+from token_lists import SpecBatch, spec_batches
+
+pytestmark = pytest.mark.vllm
+# Every piece (by FASTBATCH_DISABLE name), and those with a shadow check: with
+# FASTBATCH_VERIFY on, the others stay stock.
+PATCHES = {name: importlib.import_module(module) for name, module in vllm_plugin.PATCHES.items()}
+SHADOWED = ("output", "spec", "penalties")
+REAL_OUTPUT_KERNEL = fastbatch.update_async_output_token_ids
+REAL_SPEC_KERNEL = fastbatch.update_async_spec_token_ids
+REAL_TENSOR_KERNEL = fastbatch.output_tokens_tensor
+BIG_ID = 1000  # above every id of the activation checks' synthetic inputs
+
+
+def output_kernel_wrong_for_big_ids(req_ids, prev, outputs, sampled, copy_ready=None):
+    """The real kernel, then every list ending in an id >= BIG_ID gets it plus one."""
+    REAL_OUTPUT_KERNEL(req_ids, prev, outputs, sampled, copy_ready)
+    for ids in outputs:
+        if ids and ids[-1] >= BIG_ID:
+            ids[-1] += 1
+
+
+def spec_kernel_wrong_for_big_ids(req_ids, prev, spec_token_ids, draft_token_ids):
+    REAL_SPEC_KERNEL(req_ids, prev, spec_token_ids, draft_token_ids)
+    for ids in spec_token_ids:
+        if ids and ids[0] >= BIG_ID:
+            ids[0] = 0
+
+
+def tensor_kernel_wrong_for_long_rows(rows, vocab_size, pin_memory=False):
+    """Right for rows of up to 64 ids (all the activation check has)."""
+    tokens = REAL_TENSOR_KERNEL(rows, vocab_size, pin_memory)
+    if tokens.shape[1] > 64:
+        tokens[0, 0] += 1
+    return tokens
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def at(self, level):
+        return [r.getMessage() for r in self.records if r.levelno == level]
+
+
+@pytest.fixture
+def logs():
+    logger = logging.getLogger("vllm.fastbatch")
+    handler, level = _Records(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+@pytest.fixture
+def verify(monkeypatch, tmp_path):
+    """``verify(value)``: FASTBATCH=1 with FASTBATCH_VERIFY=value, registered as
+    vLLM registers it; reproducers go to tmp_path.  Stock again afterwards."""
+    monkeypatch.setattr(penalties, "PIN_MEMORY", False)  # no accelerator to pin with
+    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
+    monkeypatch.delenv("FASTBATCH_DISABLE", raising=False)
+    for module in PATCHES.values():
+        module.revert()
+
+    def register(value="1"):
+        monkeypatch.setenv("FASTBATCH", "1")
+        monkeypatch.setenv("FASTBATCH_VERIFY", value)
+        vllm_plugin.register()
+        return tmp_path
+
+    yield register
+    for module in PATCHES.values():
+        module.revert()
+
+
+@pytest.mark.parametrize(("value", "rate"), [
+    (None, 0.0), ("", 0.0), ("0", 0.0), ("off", 0.0), ("1", 1.0), ("TRUE", 1.0),
+    (" on ", 1.0), ("1.0", 1.0), ("0.01", 0.01), ("0.5", 0.5), ("0.0", 0.0)])
+def test_verify_values(monkeypatch, logs, value, rate):
+    if value is None:
+        monkeypatch.delenv("FASTBATCH_VERIFY", raising=False)
+    else:
+        monkeypatch.setenv("FASTBATCH_VERIFY", value)
+    assert vllm_plugin.verify_rate() == rate
+    assert logs.records == []
+
+
+@pytest.mark.parametrize("value", ["2", "-0.1", "nan", "inf", "sometimes", "1%", "force"])
+def test_bad_verify_value_warns_and_is_off(verify, logs, value):
+    verify(value)
+    assert vllm_plugin.status()["verify"]["rate"] == 0.0
+    assert InputBatch.update_async_output_token_ids is patch.update_async_output_token_ids
+    (warning,) = logs.at(logging.WARNING)
+    assert repr(value) in warning and "FASTBATCH_VERIFY" in warning
+
+
+def test_verify_installs_a_checked_replacement(verify, logs):
+    verify("1")
+    installed = InputBatch.update_async_output_token_ids
+    assert installed is not patch.update_async_output_token_ids
+    assert getattr(installed, "__fastbatch__", False)
+    assert patch.original() is not None
+    assert all("every call checked against vLLM's" in info for info in logs.at(logging.INFO))
+    assert vllm_plugin.status()["verify"] == {
+        "rate": 1.0, "checked": dict.fromkeys(PATCHES, 0),
+        "divergences": dict.fromkeys(PATCHES, 0)}
+
+
+# --- the output-token update -------------------------------------------------
+
+def _batch_with_big_ids():
+    """Three requests with placeholders (one of two), one without, a hole;
+    sampled ids above BIG_ID."""
+    return Batch(
+        req_ids=["a", "b", None, "c", "d"],
+        prev_req_id_to_index={"a": 1, "b": 0, "c": 2, "d": 3},
+        output_token_ids=[[5, -1], [6, 7, -1, -1], None, [8, 9], [-1]],
+        sampled=np.array([[1500, 1501], [1200, -1], [3, 3], [4000, 4001]]))
+
+
+def test_output_without_divergence_keeps_fastbatch_result(verify):
+    verify("1")
+    batch = _batch_with_big_ids()
+    stock, _ = _real_input_batch(batch)
+    ours, _ = _real_input_batch(batch)
+    patch.original()(stock)
+    InputBatch.update_async_output_token_ids(ours)
+    assert ours.req_output_token_ids == stock.req_output_token_ids
+    assert fastbatch.stats()["calls"] == 1  # fastbatch did the call
+    # vLLM's copy ran too, with the same event: both synchronised it.
+    assert ours.async_copy_ready_event.count == 2
+    checked = vllm_plugin.status()["verify"]
+    assert checked["checked"]["output"] == 1 and checked["divergences"]["output"] == 0
+
+
+def test_output_divergence_keeps_vllm_result_in_the_same_lists(verify, monkeypatch, logs):
+    monkeypatch.setattr(fastbatch, "update_async_output_token_ids",
+                        output_kernel_wrong_for_big_ids)
+    folder = verify("1")
+    assert patch.is_applied()  # the activation check did not see the bug
+    batch = _batch_with_big_ids()
+    stock, _ = _real_input_batch(batch)
+    ours, states = _real_input_batch(batch)
+    lists = list(ours.req_output_token_ids)
+    patch.original()(stock)
+
+    InputBatch.update_async_output_token_ids(ours)
+
+    assert ours.req_output_token_ids == stock.req_output_token_ids == [
+        [5, 1200], [6, 7, 1500, 1501], None, [8, 9], [4000]]
+    # vLLM's result went into the very lists the requests hold.
+    assert all(now is before for now, before in zip(ours.req_output_token_ids, lists,
+                                                    strict=True))
+    for req_id, index in ours.req_id_to_index.items():
+        assert ours.req_output_token_ids[index] is states[req_id].output_token_ids
+    status = vllm_plugin.status()["verify"]
+    assert status["divergences"] == {name: int(name == "output") for name in PATCHES}
+    (error,) = logs.at(logging.ERROR)
+    assert "'output'" in error and patch.TARGET in error and "vLLM's result was kept" in error
+
+    # The reproducer replays the divergence, and no longer once the bug is gone.
+    (path,) = folder.iterdir()
+    assert str(path) in error and path.name.startswith(f"output-{os.getpid()}-")
+    record = pickle.loads(path.read_bytes())
+    assert record["piece"] == "output" and record["vllm_version"] == "0.33.0"
+    assert record["fastbatch_outcome"] != record["stock_outcome"]
+    assert vllm_plugin.replay(str(path)) is not None
+    monkeypatch.setattr(fastbatch, "update_async_output_token_ids", REAL_OUTPUT_KERNEL)
+    assert vllm_plugin.replay(str(path)) is None
+
+    # From now on the piece is vLLM's code: the kernel is not called again.
+    monkeypatch.setattr(fastbatch, "update_async_output_token_ids",
+                        output_kernel_wrong_for_big_ids)
+    calls = fastbatch.stats()["calls"]
+    again, _ = _real_input_batch(batch)
+    InputBatch.update_async_output_token_ids(again)
+    assert again.req_output_token_ids == stock.req_output_token_ids
+    assert fastbatch.stats()["calls"] == calls
+    assert vllm_plugin.status()["verify"]["divergences"]["output"] == 1
+    assert len(list(folder.iterdir())) == 1
+
+
+def test_a_kernel_that_raises_where_vllm_does_not_is_a_divergence(verify, monkeypatch):
+    def raises_on_big_ids(req_ids, prev, outputs, sampled, copy_ready=None):
+        if int(sampled.max()) >= BIG_ID:
+            raise ValueError("planted")
+        REAL_OUTPUT_KERNEL(req_ids, prev, outputs, sampled, copy_ready)
+
+    monkeypatch.setattr(fastbatch, "update_async_output_token_ids", raises_on_big_ids)
+    verify("1")
+    batch = _batch_with_big_ids()
+    stock, _ = _real_input_batch(batch)
+    ours, _ = _real_input_batch(batch)
+    patch.original()(stock)
+    InputBatch.update_async_output_token_ids(ours)  # no exception: vLLM's result
+    assert ours.req_output_token_ids == stock.req_output_token_ids
+    assert vllm_plugin.status()["verify"]["divergences"]["output"] == 1
+
+
+def test_input_that_vllm_rejects_too_raises_without_divergence(verify):
+    verify("1")
+    batch = _batch_with_big_ids()
+    batch.prev_req_id_to_index["a"] = 99  # no such row of sampled ids
+    ours, _ = _real_input_batch(batch)
+    with pytest.raises(IndexError):
+        InputBatch.update_async_output_token_ids(ours)
+    status = vllm_plugin.status()["verify"]
+    assert status["checked"]["output"] == 1 and status["divergences"]["output"] == 0
+
+
+def test_vllm_raising_where_fastbatch_does_not_raises_as_vllm(verify, logs):
+    """Stock's exception is what the caller gets (as without fastbatch)."""
+    def vllm_fails(self):
+        raise RuntimeError("vLLM's own failure")
+
+    verify("0")
+    checked = patch.PATCH.checked_replacement(vllm_fails, 1.0)
+    ours, _ = _real_input_batch(_batch_with_big_ids())
+    with pytest.raises(RuntimeError, match="vLLM's own failure"):
+        checked(ours)
+    assert patch.PATCH.divergences == 1
+    (error,) = logs.at(logging.ERROR)
+    assert "raised RuntimeError" in error
+
+
+def test_nothing_to_check_on_the_early_return(verify):
+    verify("1")
+    ours, _ = _real_input_batch(_batch_with_big_ids())
+    ours.sampled_token_ids_cpu = None
+    InputBatch.update_async_output_token_ids(ours)
+    assert vllm_plugin.status()["verify"]["checked"]["output"] == 0
+
+
+@pytest.fixture(scope="module")
+def verified_output():
+    """The output piece applied with every call checked (for hypothesis)."""
+    patch.revert()
+    assert patch.PATCH.apply(verify=1.0, name="output")
+    yield InputBatch.update_async_output_token_ids
+    patch.revert()
+
+
+@settings(max_examples=int(os.environ.get("FASTBATCH_VLLM_EXAMPLES", 1000)) // 2)
+@given(batch=vllm_batches)
+def test_no_false_divergence_on_generated_batches(verified_output, batch):
+    note(repr(batch))
+    stock, _ = _real_input_batch(batch)
+    ours, states = _real_input_batch(batch)
+    patch.original()(stock)
+    checked = patch.PATCH.checked
+    verified_output(ours)
+    assert patch.PATCH.divergences == 0
+    assert ours.req_output_token_ids == stock.req_output_token_ids
+    for req_id, index in ours.req_id_to_index.items():
+        assert ours.req_output_token_ids[index] is states[req_id].output_token_ids
+    needed = stock.sampled_token_ids_cpu is not None and stock.sampling_metadata.output_token_ids
+    assert patch.PATCH.checked == checked + bool(needed)
+
+
+# --- the spec-token update ---------------------------------------------------
+
+def _spec_batch():
+    return SpecBatch(req_ids=["a", "b", "c"], prev_req_id_to_index={"a": 0, "b": 1, "c": 2},
+                     spec_token_ids=[[-1, -1], [-1], [-1, -1, -1]],
+                     draft_token_ids=[[1100, 1101, 1102], [7, 8], [2000]])
+
+
+def test_spec_divergence_keeps_vllm_result_in_the_same_lists(verify, monkeypatch, logs):
+    monkeypatch.setattr(fastbatch, "update_async_spec_token_ids", spec_kernel_wrong_for_big_ids)
+    verify("1")
+    assert spec_patch.is_applied()
+    batch = _spec_batch()
+    stock, ours = _real_spec_batch(batch), _real_spec_batch(batch)
+    stock_drafts, our_drafts = batch.clone().draft_token_ids, batch.clone().draft_token_ids
+    spec_lists, draft_rows = list(ours.spec_token_ids), list(our_drafts)
+    spec_patch.original()(stock, stock_drafts)
+
+    InputBatch.update_async_spec_token_ids(ours, our_drafts)
+
+    assert ours.spec_token_ids == stock.spec_token_ids
+    assert ours.spec_token_ids[:3] == [[1100, 1101], [7], [2000]]
+    assert our_drafts == stock_drafts
+    assert all(a is b for a, b in zip(ours.spec_token_ids, spec_lists, strict=True))
+    assert all(a is b for a, b in zip(our_drafts, draft_rows, strict=True))
+    assert vllm_plugin.status()["verify"]["divergences"] == {
+        name: int(name == "spec") for name in PATCHES}
+    (error,) = logs.at(logging.ERROR)
+    assert "'spec'" in error
+
+
+@settings(max_examples=int(os.environ.get("FASTBATCH_VLLM_EXAMPLES", 1000)) // 4)
+@given(batch=spec_batches(max_reqs=10))
+def test_spec_no_false_divergence_on_generated_batches(batch):
+    note(repr(batch))
+    spec_patch.revert()  # no counters left from another test
+    original = spec_patch.original() or InputBatch.update_async_spec_token_ids
+    checked = spec_patch.PATCH.checked_replacement(original, 1.0)
+    stock, ours = _real_spec_batch(batch), _real_spec_batch(batch)
+    stock_drafts, our_drafts = batch.clone().draft_token_ids, batch.clone().draft_token_ids
+    original(stock, stock_drafts)
+    checked(ours, our_drafts)
+    assert spec_patch.PATCH.divergences == 0
+    assert ours.spec_token_ids == stock.spec_token_ids
+    assert our_drafts == stock_drafts
+
+
+# --- the penalties' tensor ---------------------------------------------------
+
+def test_penalties_divergence_returns_vllm_tensor(verify, monkeypatch, logs):
+    monkeypatch.setattr(fastbatch, "output_tokens_tensor", tensor_kernel_wrong_for_long_rows)
+    verify("1")
+    assert penalty_patch.is_applied()
+    short = [[1, 2, -1], [3]]
+    assert torch.equal(penalties._convert_to_tensors(short, 10, "cpu"),
+                       torch.tensor([[1, 2, 10], [3, 10, 10]]))
+    rows = [list(range(100)), [5, -1]]
+    got = penalties._convert_to_tensors(rows, 200, "cpu")
+    expected = penalty_patch.original()(rows, 200, "cpu")
+    assert expected[1, 1] == -1
+    # vLLM's tensor, masked as apply_all_penalties masks it next.
+    assert torch.equal(got, expected.masked_fill(expected == -1, 200))
+    status = vllm_plugin.status()["verify"]
+    assert status["checked"]["penalties"] == 2
+    assert status["divergences"]["penalties"] == 1
+    (error,) = logs.at(logging.ERROR)
+    assert "'penalties'" in error and "at (0, 0) fastbatch gave 1, vLLM 0" in error
+
+
+def test_sampled_rate_checks_some_calls(verify):
+    verify("0")
+    original = penalty_patch.original() or penalties._convert_to_tensors
+    assert not getattr(original, "__fastbatch__", False)
+    for rate, low, high in ((0.5, 1, 199), (1.0, 200, 200), (0.0, 0, 0)):
+        penalty_patch.PATCH.checked = 0
+        checked = penalty_patch.PATCH.checked_replacement(original, rate)
+        for _ in range(200):
+            checked([[1, -1]], 10, "cpu")
+        assert low <= penalty_patch.PATCH.checked <= high
+
+
+def test_a_piece_without_shadow_stays_stock_under_verify(verify, monkeypatch, logs):
+    monkeypatch.setattr(spec_patch.PATCH, "shadow", None)
+    verify("1")
+    assert vllm_plugin.status()["patches"] == {name: name in SHADOWED and name != "spec"
+                                               for name in PATCHES}
+    (warning,) = [line for line in logs.at(logging.WARNING) if spec_patch.TARGET in line]
+    assert spec_patch.TARGET in warning and "no shadow check" in warning
