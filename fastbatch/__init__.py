@@ -8,6 +8,12 @@
   ``InputBatch.update_async_spec_token_ids``.
 * ``output_tokens_tensor(output_token_ids, vocab_size, pin_memory=False)``:
   the penalties' padded output-token tensor, ``-1`` already masked.
+* ``sampled_token_lists(sampled_token_ids, invalid_req_indices=())``,
+  ``rejection_output_lists(output_token_ids, vocab_size,
+  discard_req_indices=())`` and ``draft_token_lists(draft_token_ids,
+  num_reqs, num_spec_tokens)``: a step's rows of ids as plain lists, as
+  ``AsyncGPUModelRunnerOutput.get_output``, ``RejectionSampler.parse_output``
+  and ``GPUModelRunner._get_draft_token_ids_cpu`` build them.
 
 Each is a compiled piece (``fastbatch._kernels``, one module per piece) with a
 pure-Python twin (``fastbatch._reference``).  ``COMPILED`` says whether the
@@ -21,8 +27,11 @@ __version__ = "0.1.0"
 
 try:
     from fastbatch._kernels import (
+        draft_token_lists,
         output_tokens_tensor,
+        rejection_output_lists,
         reset_stats,
+        sampled_token_lists,
         stats,
         update_async_output_token_ids,
         update_async_spec_token_ids,
@@ -35,8 +44,11 @@ except ImportError as exc:  # no compiled module for this platform/interpreter
         stacklevel=2,
     )
     from fastbatch._reference import (
+        draft_token_lists,
         output_tokens_tensor,
+        rejection_output_lists,
         reset_stats,
+        sampled_token_lists,
         stats,
         update_async_output_token_ids,
         update_async_spec_token_ids,
@@ -49,8 +61,11 @@ else:
 __all__ = [
     "COMPILED",
     "__version__",
+    "draft_token_lists",
     "output_tokens_tensor",
+    "rejection_output_lists",
     "reset_stats",
+    "sampled_token_lists",
     "stats",
     "update_async_output_token_ids",
     "update_async_spec_token_ids",
