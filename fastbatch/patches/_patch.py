@@ -13,6 +13,7 @@ the original back.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -54,6 +55,7 @@ class Patch:
         self.activation_check = activation_check
         self.companions = companions or {}
         self._original: Any = None
+        self._stored: Any = None  # the attribute as stored (a staticmethod, say)
 
     def original(self) -> Any:
         """vLLM's own code while the patch is applied, else None."""
@@ -128,6 +130,7 @@ class Patch:
             return False
         fastbatch.reset_stats()  # count vLLM's calls only, not the checks'
         self._original = method
+        self._stored = inspect.getattr_static(owner, name)
         setattr(owner, name, self.replacement)
         logger.info("fastbatch %s: replaced %s of vLLM %s with the %s (checks took "
                     "%.1f ms)", fastbatch.__version__, self.target, vllm.__version__,
@@ -140,5 +143,5 @@ class Patch:
         if self._original is None:
             return
         owner, name, _ = _lookup(self.module, self.qualname)
-        setattr(owner, name, self._original)
-        self._original = None
+        setattr(owner, name, self._stored)
+        self._original = self._stored = None
