@@ -18,6 +18,9 @@ pieces stock while the others are on:
   ``output``     ``InputBatch.update_async_output_token_ids``
   ``spec``       ``InputBatch.update_async_spec_token_ids``
   ``penalties``  ``penalties._convert_to_tensors``
+  ``get_output``    ``AsyncGPUModelRunnerOutput.get_output``
+  ``parse_output``  ``RejectionSampler.parse_output``
+  ``drafts``        ``GPUModelRunner._get_draft_token_ids_cpu``
 Unknown names are reported in a warning and ignored.
 
 The switches are deliberately not named ``VLLM_*``: vLLM warns about unknown
@@ -39,6 +42,9 @@ PATCHES = {
     "output": "fastbatch.patches.async_output_token_ids",
     "spec": "fastbatch.patches.async_spec_token_ids",
     "penalties": "fastbatch.patches.penalty_output_tokens",
+    "get_output": "fastbatch.patches.sampled_lists",
+    "parse_output": "fastbatch.patches.rejection_lists",
+    "drafts": "fastbatch.patches.draft_lists",
 }
 _ON = {"1", "true", "yes", "on"}
 _OFF = {"", "0", "false", "no", "off"}

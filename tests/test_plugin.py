@@ -5,6 +5,7 @@ Runs on the real vLLM 0.33.0 (tox -e vllm); nothing of vLLM is mocked.  The
 function in place of vLLM's code or of fastbatch's kernel.
 """
 
+import importlib
 import logging
 import subprocess
 import sys
@@ -26,13 +27,16 @@ pytestmark = pytest.mark.vllm
 STOCK_METHOD = InputBatch.update_async_output_token_ids
 STOCK_SPEC_METHOD = InputBatch.update_async_spec_token_ids
 STOCK_CONVERT = penalties._convert_to_tensors
-PATCHES = {"output": patch, "spec": spec_patch, "penalties": penalty_patch}
+# Every patch of the plugin, by FASTBATCH_DISABLE name.
+PATCHES = {name: importlib.import_module(module)
+           for name, module in vllm_plugin.PATCHES.items()}
 
 
 def _stock_everywhere():
     return (InputBatch.update_async_output_token_ids is STOCK_METHOD
             and InputBatch.update_async_spec_token_ids is STOCK_SPEC_METHOD
-            and penalties._convert_to_tensors is STOCK_CONVERT)
+            and penalties._convert_to_tensors is STOCK_CONVERT
+            and not any(module.is_applied() for module in PATCHES.values()))
 
 
 class _Records(logging.Handler):
@@ -106,20 +110,20 @@ def test_switch_on_installs_once(monkeypatch, logs, value):
             InputBatch.update_async_spec_token_ids, penalties._convert_to_tensors) == installed
     assert patch.original() is STOCK_METHOD
     infos = logs.at(logging.INFO)
-    assert len(infos) == 3
+    assert len(infos) == len(PATCHES)
     for info, module in zip(infos, PATCHES.values(), strict=True):
         for expected in (fastbatch.__version__, "vLLM 0.33.0", module.TARGET,
                          "compiled kernel"):
             assert expected in info
     status = vllm_plugin.status()
     assert status["installed"] is True
-    assert status["patches"] == {"output": True, "spec": True, "penalties": True}
+    assert status["patches"] == dict.fromkeys(PATCHES, True)
 
 
 @pytest.mark.parametrize(("value", "stock"), [
     ("penalties", {"penalties"}), ("SPEC", {"spec"}), ("output,penalties", {"output",
                                                                            "penalties"}),
-    (" spec  output ", {"spec", "output"}), ("output,spec,penalties", set(PATCHES)),
+    (" spec  output ", {"spec", "output"}), (",".join(PATCHES), set(PATCHES)),
 ])
 def test_disable_leaves_single_pieces_stock(monkeypatch, logs, value, stock):
     monkeypatch.setenv("FASTBATCH", "1")
@@ -138,8 +142,7 @@ def test_disable_with_an_unknown_name_warns(monkeypatch, logs):
     monkeypatch.setenv("FASTBATCH", "1")
     monkeypatch.setenv("FASTBATCH_DISABLE", "penalty, spec")
     vllm_plugin.register()
-    assert vllm_plugin.status()["patches"] == {"output": True, "spec": False,
-                                               "penalties": True}
+    assert vllm_plugin.status()["patches"] == {name: name != "spec" for name in PATCHES}
     (warning,) = logs.at(logging.WARNING)
     assert "'penalty'" in warning and "output, spec, penalties" in warning
 
@@ -216,8 +219,7 @@ def test_guard_refuses_a_changed_spec_method(monkeypatch, logs):
     monkeypatch.setenv("FASTBATCH", "1")
     vllm_plugin.register()
     assert InputBatch.update_async_spec_token_ids is changed
-    assert vllm_plugin.status()["patches"] == {"output": True, "spec": False,
-                                               "penalties": True}
+    assert vllm_plugin.status()["patches"] == {name: name != "spec" for name in PATCHES}
     (warning,) = logs.at(logging.WARNING)
     assert spec_patch.TARGET in warning and "not a verified variant" in warning
 
@@ -251,8 +253,8 @@ def test_penalties_stay_stock_where_stock_cannot_pin(monkeypatch, logs):
     monkeypatch.setenv("FASTBATCH", "1")
     vllm_plugin.register()
     assert penalties._convert_to_tensors is STOCK_CONVERT
-    assert vllm_plugin.status()["patches"] == {"output": True, "spec": True,
-                                               "penalties": False}
+    assert vllm_plugin.status()["patches"] == {name: name != "penalties"
+                                               for name in PATCHES}
     (error,) = logs.at(logging.ERROR)
     assert "activation check failed" in error and penalty_patch.TARGET in error
 
@@ -308,7 +310,7 @@ def test_guard_refuses_an_unknown_version(monkeypatch, logs):
     vllm_plugin.register()
     assert _stock_everywhere()
     warnings = logs.at(logging.WARNING)
-    assert len(warnings) == 3
+    assert len(warnings) == len(PATCHES)
     assert all("vLLM 0.34.0 is not a verified version" in w for w in warnings)
 
 
@@ -328,7 +330,7 @@ def test_force_patches_an_unknown_version(monkeypatch, logs):
     vllm_plugin.register()
     assert InputBatch.update_async_output_token_ids is patch.update_async_output_token_ids
     assert vllm_plugin.status()["patches"] == dict.fromkeys(PATCHES, True)
-    assert sum("patching anyway" in w for w in logs.at(logging.WARNING)) == 3
+    assert sum("patching anyway" in w for w in logs.at(logging.WARNING)) == len(PATCHES)
 
 
 def test_force_still_needs_the_activation_check(monkeypatch, logs):
