@@ -19,10 +19,12 @@ from fastbatch import _reference
 # non-zero there if nothing was collected.
 VLLM_MODULES = ["test_vllm_differential.py", "test_plugin.py", "test_e2e.py"]
 collect_ignore = [] if importlib.util.find_spec("vllm") else VLLM_MODULES
-# The penalties' tensor is a torch tensor: its tests need torch (the default
-# tox environment installs the CPU build; the other interpreters' may not).
+# The penalties' tensor is a torch tensor, and the rows-to-lists pieces read
+# torch tensors: their tests need torch (the default tox environment installs
+# the CPU build; the other interpreters' may not).
 if not importlib.util.find_spec("torch"):
-    collect_ignore.append("test_penalty_tokens.py")
+    collect_ignore += ["test_penalty_tokens.py", "test_sampled_lists.py",
+                       "test_rejection_lists.py", "test_draft_lists.py"]
 
 if not collect_ignore:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM is imported

@@ -114,6 +114,10 @@ def test_fastbatch_gives_stock_tokens_and_really_ran(generate):
     assert stats["requests_updated"] > 100
     assert stats["tokens_written"] == stats["requests_updated"]  # no spec decode
     assert stats["syncs"] > 0
+    # get_output's lists came from the kernel every step, one row per request.
+    assert stats["get_output_calls"] > 50
+    assert stats["get_output_rows"] > 100
+    assert stats["parse_output_calls"] == stats["draft_lists_calls"] == 0  # no spec
 
     # The output history mattered: penalties changed outputs, bad words held.
     changed = [label for label, ids, plain in zip(
@@ -173,7 +177,7 @@ def test_disable_penalties_leaves_that_piece_stock(generate):
     (worker,) = partial["workers"]
     assert worker["async_scheduling"] is True
     assert worker["installed"] is True
-    assert worker["patches"] == {"output": True, "spec": True, "penalties": False}
+    assert worker["patches"] == {name: name != "penalties" for name in PATCH_NAMES}
     assert worker["stats"]["penalty_tensors"] == worker["stats"]["penalty_tokens"] == 0
     assert worker["stats"]["requests_updated"] > 1000  # the output patch still ran
     assert partial["token_ids"] == stock["token_ids"]
@@ -204,3 +208,9 @@ def test_spec_decode_async_spec_tokens_replaced(generate):
     assert stats["placeholders_dropped"] > 0
     # The rejection sampler applied penalties through the kernel.
     assert stats["penalty_tensors"] > 0 and stats["penalty_tokens"] > 0
+    # The rejection sampler's rows (get_output -> parse_output) and the drafts
+    # came to Python as lists through the kernels.
+    assert stats["parse_output_calls"] > 20
+    assert stats["parse_output_tokens"] > stats["parse_output_rows"]  # drafts accepted
+    assert stats["draft_lists_calls"] > 20
+    assert stats["draft_lists_rows"] > 100
