@@ -15,8 +15,11 @@ ID_VALUES = st.one_of(
 )
 
 
+ANY_WIDTH = st.integers(0, 6)
+
+
 @st.composite
-def id_tensors(draw, widths=st.integers(0, 6), max_rows=40, rows=None):
+def id_tensors(draw, widths=ANY_WIDTH, max_rows=40, rows=None):
     """A 2-D int32 or int64 CPU tensor, sometimes a strided view (a slice of
     a bigger buffer, or a transpose) as vLLM's sliced buffers are."""
     num_rows = draw(rows if rows is not None else st.integers(0, max_rows))

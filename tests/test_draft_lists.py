@@ -13,9 +13,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from id_rows import assert_plain_rows, id_tensors
 
 from fastbatch import _kernels, _reference
-from id_rows import assert_plain_rows, id_tensors
 from leaks import assert_no_leak
 
 IMPLEMENTATIONS = [_kernels.draft_token_lists, _reference.draft_token_lists]

@@ -35,9 +35,11 @@ from pathlib import Path
 
 import pytest
 
+from fastbatch.vllm_plugin import PATCHES
+
 pytestmark = pytest.mark.e2e
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
-PATCH_NAMES = ("output", "spec", "penalties")  # FASTBATCH_DISABLE names
+PATCH_NAMES = tuple(PATCHES)  # FASTBATCH_DISABLE names
 WORKLOADS = {
     "mixed": [],
     "long": ["--settings", "penalties", "--num-prompts", "32", "--max-tokens", "448",

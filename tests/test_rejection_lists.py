@@ -13,9 +13,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from id_rows import VOCAB_SIZE, assert_plain_rows, id_tensors
 
 from fastbatch import _kernels, _reference
-from id_rows import VOCAB_SIZE, assert_plain_rows, id_tensors
 from leaks import assert_no_leak
 
 IMPLEMENTATIONS = [_kernels.rejection_output_lists, _reference.rejection_output_lists]
@@ -106,17 +106,18 @@ IDS = torch.zeros((2, 3), dtype=torch.int32)
 ])
 def test_bad_input_raises_clearly(ids, vocab_size, discard, error):
     for implementation in IMPLEMENTATIONS:
-        with pytest.raises(error, match="output_token_ids|vocab_size|discard_req_indices"):
+        with pytest.raises(error, match=r"output_token_ids|vocab_size|discard_req_indices"):
             implementation(ids, vocab_size, discard)
 
 
 def test_no_leaks():
     ids = torch.randint(-1, 2**20, (256, 4), dtype=torch.int32)
     for discard in ([3, -1], np.array([5, 6])):
+        def step(discard=discard):
+            return _kernels.rejection_output_lists(ids, 2**19, discard)
         for _ in range(3):
-            _kernels.rejection_output_lists(ids, 2**19, discard)
-        assert_no_leak(lambda: _kernels.rejection_output_lists(ids, 2**19, discard),
-                       [ids, discard], 300)
+            step()
+        assert_no_leak(step, [ids, discard], 300)
 
 
 # --- against the real vLLM 0.33.0 method, and the patch -------------------

@@ -13,10 +13,10 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from id_rows import assert_plain_rows, id_tensors
 
 import fastbatch
 from fastbatch import _kernels, _reference
-from id_rows import assert_plain_rows, id_tensors
 from leaks import assert_no_leak
 
 IMPLEMENTATIONS = [_kernels.sampled_token_lists, _reference.sampled_token_lists]
@@ -30,8 +30,11 @@ def vllm_lines(sampled, invalid):
     return valid_sampled_token_ids
 
 
+DECODE_WIDTH = st.just(1)
+
+
 @st.composite
-def decode_steps(draw, widths=st.just(1)):
+def decode_steps(draw, widths=DECODE_WIDTH):
     """A sampled-ids tensor and the rows vLLM discards (any order, repeats,
     negative indices)."""
     sampled = draw(id_tensors(widths=widths))
@@ -94,7 +97,7 @@ def test_counters():
 ])
 def test_bad_input_raises_clearly(sampled, invalid, error):
     for implementation in IMPLEMENTATIONS:
-        with pytest.raises(error, match="sampled_token_ids|invalid_req_indices|'int'"):
+        with pytest.raises(error, match=r"sampled_token_ids|invalid_req_indices|'int'"):
             implementation(sampled, invalid)
 
 

@@ -19,8 +19,9 @@ batch:
    one list store: no list is allocated.
 
 The sampled ids are read through a plain pointer and byte strides
-(``SampledIds``, shared with the rows-to-lists pieces in ``_common``), taken from the buffer protocol (numpy arrays, ...) or from a
-torch CPU tensor's ``data_ptr()``/``stride()``: zero-copy either way.  Typed
+(``SampledIds``, shared with the rows-to-lists pieces in ``_common``), taken
+from the buffer protocol (numpy arrays, ...) or from a torch CPU tensor's
+``data_ptr()``/``stride()``: zero-copy either way.  Typed
 memoryviews were measured first; acquiring one (after ``tensor.numpy()``)
 cost about 1 us per call, which made a one-request step slower than vLLM's own
 loop.
