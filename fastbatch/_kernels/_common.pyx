@@ -59,8 +59,9 @@ cdef Py_ssize_t as_row_slow(PyObject* req_id, PyObject* prev_index) except -1:
 # The view of a 2-D int tensor or buffer, and plain-list rows built from it.
 
 cdef bint LITTLE_ENDIAN = sys.byteorder == "little"
-cdef object TORCH_INT32 = None    # torch.int32 and torch.int64, looked up
-cdef object TORCH_INT64 = None    # once, when the first tensor comes
+cdef object TORCH_INT32 = None    # torch.int32, torch.int64 and torch.strided,
+cdef object TORCH_INT64 = None    # looked up once, when the first tensor comes
+cdef object TORCH_STRIDED = None
 
 
 cdef int _view_buffer(const Py_buffer* buffer, SampledIds* ids, str name) except -1:
@@ -83,10 +84,11 @@ cdef int _view_buffer(const Py_buffer* buffer, SampledIds* ids, str name) except
 
 cdef int _view_tensor(object tensor, SampledIds* ids, str name) except -1:
     """Fill ``ids`` from a torch CPU tensor, sharing its memory."""
-    global TORCH_INT32, TORCH_INT64
+    global TORCH_INT32, TORCH_INT64, TORCH_STRIDED
     dtype = getattr(tensor, "dtype", None)
     if TORCH_INT64 is None and "torch" in sys.modules:
-        TORCH_INT32, TORCH_INT64 = sys.modules["torch"].int32, sys.modules["torch"].int64
+        torch = sys.modules["torch"]
+        TORCH_INT32, TORCH_INT64, TORCH_STRIDED = torch.int32, torch.int64, torch.strided
     if dtype is None:
         raise TypeError(
             f"{name} must be a 2-D int32 or int64 array or CPU "
@@ -96,7 +98,9 @@ cdef int _view_tensor(object tensor, SampledIds* ids, str name) except -1:
         raise TypeError(f"{name} must be int32 or int64, got {dtype}")
     if not tensor.is_cpu:
         raise TypeError(f"{name} must be on the CPU, got {tensor.device}")
-    try:  # sparse and other storage-less layouts have neither
+    if tensor.layout is not TORCH_STRIDED:  # asked first: stride() would throw in C++
+        raise TypeError(f"{name} must be a dense tensor, got {tensor.layout}")
+    try:  # other storage-less tensors have neither
         strides = tensor.stride()
         data = tensor.data_ptr()
     except RuntimeError:
