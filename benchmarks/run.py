@@ -31,7 +31,8 @@ PENALTY_VARIANTS = ("stock", "stock_convert", "fastbatch", "fallback")
 BOOKKEEPING_VARIANTS = ("stock", "fastbatch", "fallback")
 BENCHMARK_FILES = ("test_update_benchmarks.py", "test_spec_benchmarks.py",
                    "test_penalty_benchmarks.py", "test_bookkeeping_benchmarks.py",
-                   "test_runner_input_benchmarks.py", "test_verify_benchmarks.py")
+                   "test_runner_input_benchmarks.py", "test_verify_benchmarks.py",
+                   "test_row_lists_benchmarks.py")
 
 
 def run_grid(raw: Path, extra: list[str]) -> float:
@@ -241,6 +242,33 @@ def print_group_tables(spec: dict, penalty: dict) -> None:
                     for (n, length), times in sorted(penalty.items())))
 
 
+def load_row_lists(raw: Path) -> dict:
+    """The rows-to-lists pieces (group ``row_lists``),
+    {(piece, requests, width): {variant: median seconds}}."""
+    rows: dict = {}
+    for bench in json.loads(raw.read_text())["benchmarks"]:
+        info = bench["extra_info"]
+        if info.get("group") == "row_lists":
+            key = (info["piece"], info["requests"], info["width"])
+            rows.setdefault(key, {})[info["variant"]] = bench["stats"]["median"]
+    return rows
+
+
+def print_row_lists(rows: dict) -> None:
+    """get_output, parse_output, drafts and the whole spec step, stock / fastbatch."""
+    if not rows:
+        return
+    print("\nthe step's rows as lists, median time per call, microseconds (width: ids per"
+          " row; spec_step: drafts to lists + the spec-token update, k=3)")
+    print(f"{'cell':<28}{'stock':>12}{'fastbatch':>12}{'vs stock':>10}")
+    for (piece, requests, width), times in sorted(rows.items()):
+        ratio = (f"{times['stock'] / times['fastbatch']:>9.1f}x"
+                 if {"stock", "fastbatch"} <= times.keys() else f"{'-':>10}")
+        print(f"{f'{piece} {requests} x {width}':<28}"
+              + "".join(f"{times[v] * 1e6:>12.2f}" if v in times else f"{'-':>12}"
+                        for v in ("stock", "fastbatch")) + ratio)
+
+
 def plot_groups(spec: dict, penalty: dict, path: Path) -> None:
     """Second figure: the spec-token update against requests, the penalties'
     tensor against output length."""
@@ -328,6 +356,7 @@ def main() -> None:
         grid_seconds = run_grid(raw, extra)
     cells, machine = load_medians(raw)
     spec, penalty = load_groups(raw)
+    row_lists = load_row_lists(raw)
     if cells:
         print_table(cells)
     print_group_tables(spec, penalty)
@@ -336,6 +365,7 @@ def main() -> None:
         print_bookkeeping_table(bookkeeping)
     runner_groups = load_runner_groups(raw)
     print_runner_tables(runner_groups)
+    print_row_lists(row_lists)
     targets = check_targets(cells, grid_seconds, spec, penalty)
     print("\ntargets")
     for target in targets:
@@ -361,6 +391,8 @@ def main() -> None:
                                        for (n, mode), v in sorted(bookkeeping.items())},
         **{f"{group}_median_seconds": {f"{shape}-{n}": v for (n, shape), v in sorted(cells.items())}
            for group, cells in runner_groups.items()},
+        "row_lists_median_seconds": {f"{piece}-{n}x{width}": v
+                                     for (piece, n, width), v in sorted(row_lists.items())},
     }, indent=1))
     if cells:
         plot(cells, args.out / "microbench.png")

@@ -17,6 +17,12 @@
 * ``prepare_input_ids_indices(req_ids, prev_positions, cu_num_tokens,
   scheduled_spec_tokens, prev_num_spec_tokens, num_reqs)``: the loop of
   ``GPUModelRunner._prepare_input_ids``, its index lists as int64 arrays.
+* ``sampled_token_lists(sampled_token_ids, invalid_req_indices=())``,
+  ``rejection_output_lists(output_token_ids, vocab_size,
+  discard_req_indices=())`` and ``draft_token_lists(draft_token_ids,
+  num_reqs, num_spec_tokens)``: a step's rows of ids as plain lists, as
+  ``AsyncGPUModelRunnerOutput.get_output``, ``RejectionSampler.parse_output``
+  and ``GPUModelRunner._get_draft_token_ids_cpu`` build them.
 
 Each is a compiled piece (``fastbatch._kernels``, one module per piece) with a
 pure-Python twin (``fastbatch._reference``).  ``COMPILED`` says whether the
@@ -32,9 +38,12 @@ try:
     from fastbatch._kernels import (
         append_sampled_token_ids,
         compute_prev_positions,
+        draft_token_lists,
         output_tokens_tensor,
         prepare_input_ids_indices,
+        rejection_output_lists,
         reset_stats,
+        sampled_token_lists,
         stats,
         update_async_output_token_ids,
         update_async_spec_token_ids,
@@ -49,9 +58,12 @@ except ImportError as exc:  # no compiled module for this platform/interpreter
     from fastbatch._reference import (
         append_sampled_token_ids,
         compute_prev_positions,
+        draft_token_lists,
         output_tokens_tensor,
         prepare_input_ids_indices,
+        rejection_output_lists,
         reset_stats,
+        sampled_token_lists,
         stats,
         update_async_output_token_ids,
         update_async_spec_token_ids,
@@ -66,9 +78,12 @@ __all__ = [
     "__version__",
     "append_sampled_token_ids",
     "compute_prev_positions",
+    "draft_token_lists",
     "output_tokens_tensor",
     "prepare_input_ids_indices",
+    "rejection_output_lists",
     "reset_stats",
+    "sampled_token_lists",
     "stats",
     "update_async_output_token_ids",
     "update_async_spec_token_ids",

@@ -21,6 +21,9 @@ pieces stock while the others are on:
   ``bookkeeping``  the loop of ``GPUModelRunner._bookkeeping_sync``
   ``prev_positions``  ``GPUModelRunner._compute_prev_positions``
   ``input_ids``  ``GPUModelRunner._prepare_input_ids``
+  ``get_output``    ``AsyncGPUModelRunnerOutput.get_output``
+  ``parse_output``  ``RejectionSampler.parse_output``
+  ``drafts``        ``GPUModelRunner._get_draft_token_ids_cpu``
 Unknown names are reported in a warning and ignored.
 
 ``FASTBATCH_VERIFY`` checks fastbatch against vLLM's own code at run time:
@@ -68,6 +71,9 @@ PATCHES = {
     "bookkeeping": "fastbatch.patches.bookkeeping_sync",
     "prev_positions": "fastbatch.patches.prev_positions",
     "input_ids": "fastbatch.patches.prepare_input_ids",
+    "get_output": "fastbatch.patches.sampled_lists",
+    "parse_output": "fastbatch.patches.rejection_lists",
+    "drafts": "fastbatch.patches.draft_lists",
 }
 _ON = {"1", "true", "yes", "on"}
 _OFF = {"", "0", "false", "no", "off"}

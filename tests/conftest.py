@@ -22,10 +22,12 @@ VLLM_MODULES = ["test_vllm_differential.py", "test_plugin.py", "test_e2e.py",
                 "test_vllm_prepare_input_ids.py", "test_verify.py", "test_model_runner.py",
                 "test_plugin_fallback.py"]
 collect_ignore = [] if importlib.util.find_spec("vllm") else VLLM_MODULES
-# The penalties' tensor is a torch tensor: its tests need torch (the default
-# tox environment installs the CPU build; the other interpreters' may not).
+# The penalties' tensor is a torch tensor, and the rows-to-lists pieces read
+# torch tensors: their tests need torch (the default tox environment installs
+# the CPU build; the other interpreters' may not).
 if not importlib.util.find_spec("torch"):
-    collect_ignore.append("test_penalty_tokens.py")
+    collect_ignore += ["test_penalty_tokens.py", "test_sampled_lists.py",
+                       "test_rejection_lists.py", "test_draft_lists.py"]
 
 if not collect_ignore:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM is imported

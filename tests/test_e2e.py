@@ -205,6 +205,10 @@ def test_fastbatch_gives_stock_tokens_and_really_ran(generate):
     assert stats["input_ids_calls"] > 50
     assert stats["input_ids_common_requests"] > 100
     assert stats["input_ids_spec_tokens"] == 0
+    # get_output's lists came from the kernel every step, one row per request.
+    assert stats["get_output_calls"] > 50
+    assert stats["get_output_rows"] > 100
+    assert stats["parse_output_calls"] == stats["draft_lists_calls"] == 0  # no spec
 
     # The output history mattered: penalties changed outputs, bad words held.
     changed = [label for label, ids, plain in zip(
@@ -310,6 +314,12 @@ def test_spec_decode_async_spec_tokens_replaced(generate):
     assert stats["bookkeeping_tokens_added"] == stats["bookkeeping_requests_updated"]
     # The rejection sampler applied penalties through the kernel.
     assert stats["penalty_tensors"] > 0 and stats["penalty_tokens"] > 0
+    # The rejection sampler's rows (get_output -> parse_output) and the drafts
+    # came to Python as lists through the kernels.
+    assert stats["parse_output_calls"] > 20
+    assert stats["parse_output_tokens"] > stats["parse_output_rows"]  # drafts accepted
+    assert stats["draft_lists_calls"] > 20
+    assert stats["draft_lists_rows"] > 100
 
 
 def test_spec_decode_every_call_checked_without_divergence(generate):

@@ -5,6 +5,7 @@ Runs on the real vLLM 0.33.0 (tox -e vllm); nothing of vLLM is mocked.  The
 function in place of vLLM's code or of fastbatch's kernel.
 """
 
+import importlib
 import logging
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from fastbatch.patches import bookkeeping_sync as bookkeeping_patch
 from fastbatch.patches import penalty_output_tokens as penalty_patch
 from fastbatch.patches import prepare_input_ids as input_ids_patch
 from fastbatch.patches import prev_positions as prev_positions_patch
+from fastbatch.patches._patch import _lookup
 
 pytestmark = pytest.mark.vllm
 STOCK_METHOD = InputBatch.update_async_output_token_ids
@@ -33,9 +35,11 @@ STOCK_CONVERT = penalties._convert_to_tensors
 STOCK_BOOKKEEPING = GPUModelRunner._bookkeeping_sync
 STOCK_PREV_POSITIONS = GPUModelRunner._compute_prev_positions
 STOCK_INPUT_IDS = GPUModelRunner._prepare_input_ids
-PATCHES = {"output": patch, "spec": spec_patch, "penalties": penalty_patch,
-           "bookkeeping": bookkeeping_patch, "prev_positions": prev_positions_patch,
-           "input_ids": input_ids_patch}
+# Every patch of the plugin, by FASTBATCH_DISABLE name, and vLLM's code of each.
+PATCHES = {name: importlib.import_module(module)
+           for name, module in vllm_plugin.PATCHES.items()}
+STOCK = {name: _lookup(module.PATCH.module, module.PATCH.qualname)[2]
+         for name, module in PATCHES.items()}
 
 
 def _stock_everywhere():
@@ -44,7 +48,8 @@ def _stock_everywhere():
             and penalties._convert_to_tensors is STOCK_CONVERT
             and GPUModelRunner._bookkeeping_sync is STOCK_BOOKKEEPING
             and GPUModelRunner._compute_prev_positions is STOCK_PREV_POSITIONS
-            and GPUModelRunner._prepare_input_ids is STOCK_INPUT_IDS)
+            and GPUModelRunner._prepare_input_ids is STOCK_INPUT_IDS
+            and not any(module.is_applied() for module in PATCHES.values()))
 
 
 class _Records(logging.Handler):
@@ -106,21 +111,19 @@ def test_switch_on_installs_once(monkeypatch, logs, value):
     monkeypatch.setenv("FASTBATCH", value)
     vllm_plugin.register()
     def current():
-        return (InputBatch.update_async_output_token_ids,
-                InputBatch.update_async_spec_token_ids, penalties._convert_to_tensors,
-                GPUModelRunner._bookkeeping_sync,
-                GPUModelRunner._compute_prev_positions, GPUModelRunner._prepare_input_ids)
+        return tuple(_lookup(module.PATCH.module, module.PATCH.qualname)[2]
+                     for module in PATCHES.values())
 
     installed = current()
-    assert installed == (patch.update_async_output_token_ids,
-                         spec_patch.update_async_spec_token_ids,
-                         penalty_patch._convert_to_tensors,
-                         bookkeeping_patch._bookkeeping_sync,
-                         prev_positions_patch._compute_prev_positions,
-                         input_ids_patch._prepare_input_ids)
-    assert tuple(module.original() for module in PATCHES.values()) == (
-        STOCK_METHOD, STOCK_SPEC_METHOD, STOCK_CONVERT, STOCK_BOOKKEEPING,
-        STOCK_PREV_POSITIONS, STOCK_INPUT_IDS)
+    for (name, module), value in zip(PATCHES.items(), installed, strict=True):
+        assert module.is_applied() and value is not STOCK[name], name
+    assert installed[:6] == (patch.update_async_output_token_ids,
+                             spec_patch.update_async_spec_token_ids,
+                             penalty_patch._convert_to_tensors,
+                             bookkeeping_patch._bookkeeping_sync,
+                             prev_positions_patch._compute_prev_positions,
+                             input_ids_patch._prepare_input_ids)
+    assert {name: module.original() for name, module in PATCHES.items()} == STOCK
     vllm_plugin.register()  # vLLM loads plugins more than once
     vllm_plugin.register()
     assert current() == installed

@@ -24,7 +24,10 @@ def main(dist: Path) -> None:
                      "fastbatch/patches/bookkeeping_sync.py",
                      "fastbatch/patches/penalty_output_tokens.py",
                      "fastbatch/patches/prev_positions.py",
-                     "fastbatch/patches/prepare_input_ids.py"):
+                     "fastbatch/patches/prepare_input_ids.py",
+                     "fastbatch/patches/sampled_lists.py",
+                     "fastbatch/patches/rejection_lists.py",
+                     "fastbatch/patches/draft_lists.py"):
         assert required in names, f"{required} missing from {wheel.name}"
     for piece in pieces:
         assert any(n.startswith(f"fastbatch/_kernels/{piece}.") and n.endswith(".so")

@@ -1,6 +1,8 @@
 # Compiler directives are set in setup.py (one place, with a debug switch).
 """What the compiled pieces share: borrowed-pointer C API, small-int reads,
-row numbers, and the table of shared token-id objects.
+row numbers, the table of shared token-id objects, and the zero-copy view of
+a 2-D int32/int64 CPU tensor or buffer (``SampledIds``) with the builders of
+plain ``list`` rows from it.
 
 Each piece (``fastbatch/_kernels/<piece>.pyx``, named like its patch in
 ``fastbatch/patches/``) cimports this; the inline helpers are compiled into
@@ -10,7 +12,8 @@ table and the error paths live once, in ``_common.pyx``.
 
 from cpython.object cimport PyObject
 from cpython.buffer cimport Py_buffer
-from libc.stdint cimport int64_t
+from libc.stdint cimport int32_t, int64_t
+from libc.string cimport memcpy
 
 
 cdef extern from "Python.h":
@@ -91,3 +94,60 @@ cdef inline Py_ssize_t as_row(PyObject* req_id, PyObject* prev_index) except -1:
 
 cdef int view_int_column(object array, str name, Py_buffer* view, int flags,
                          bint int32_too) except -1
+ctypedef fused sampled_t:
+    int32_t
+    int64_t
+
+
+# A 2-D int32/int64 CPU tensor or buffer, read through its pointer and byte
+# strides (no copy); filled by ``view_ids``.
+ctypedef struct SampledIds:
+    const char* data
+    Py_ssize_t num_rows
+    Py_ssize_t width
+    Py_ssize_t row_stride         # in bytes
+    Py_ssize_t col_stride         # in bytes
+    bint is_int64
+
+
+cdef int view_ids(object source, SampledIds* ids, Py_buffer* buffer,
+                  bint* have_buffer, str name) except -1
+# Fill ``ids`` from a torch CPU tensor or an object with the buffer protocol.
+# ``name`` is the argument's name in the TypeError of anything else (another
+# dtype or device, not 2-D, ...).  When ``*have_buffer`` comes back true the
+# caller owns ``buffer`` and must ``PyBuffer_Release`` it.
+
+
+cdef inline sampled_t id_at(const SampledIds* ids, Py_ssize_t row, Py_ssize_t col,
+                            const sampled_t* dtype) noexcept nogil:
+    """The id at (row, col); ``dtype`` only selects the fused type."""
+    cdef sampled_t value = 0
+    # memcpy: no alignment assumption; compilers emit a single load.
+    memcpy(&value, ids.data + row * ids.row_stride + col * ids.col_stride,
+           sizeof(sampled_t))
+    return value
+
+
+cdef list rows_to_lists(const SampledIds* ids, Py_ssize_t num_rows, Py_ssize_t width,
+                        const unsigned char* cleared)
+# ``[[ids[r][c] for c in range(width)] for r in range(num_rows)]`` as plain
+# lists of plain ints (shared token-id objects), what ``tensor.tolist()`` gives;
+# rows flagged in ``cleared`` (may be NULL) are empty lists.  The caller has
+# checked ``num_rows``/``width`` against the view.
+
+
+cdef list valid_rows_to_lists(const SampledIds* ids, int64_t vocab_size,
+                              const unsigned char* cleared)
+# Every row's ids that are not -1 and are below ``vocab_size``, in order, as
+# plain lists of plain ints; rows flagged in ``cleared`` (may be NULL) are empty
+# lists.  vLLM's ``row[(row != -1) & (row < vocab_size)].tolist()``.
+
+
+cdef int flag_rows(object indices, Py_ssize_t num_rows, unsigned char* flags,
+                   str name, bint numpy_rules) except -1
+# Set ``flags[i]`` for every row index in ``indices``, Python's way (a
+# negative index counts from the end; out of range is an IndexError naming
+# ``name``).  Takes any iterable of ``__index__`` objects (a list's indexing),
+# or, with ``numpy_rules``, only what numpy's fancy indexing reads the same
+# way: a list of exact ints, an empty sequence, or a 1-D integer buffer
+# (anything else, a list of bools say, is a TypeError).

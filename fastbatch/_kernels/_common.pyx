@@ -1,23 +1,29 @@
 # Compiler directives are set in setup.py (one place, with a debug switch).
 """The shared part of the compiled pieces (declarations: ``_common.pxd``):
-the one table of shared token-id objects, and the error paths of the inline
-helpers."""
+the one table of shared token-id objects, the error paths of the inline
+helpers, and the view of a 2-D int tensor or buffer with the builders of
+plain-list rows from it (the rows-to-lists pieces and the output-token piece
+read sampled ids through it)."""
+
+import operator
+import sys
 
 from cpython.buffer cimport (
     PyBUF_FORMAT,
+    PyBUF_RECORDS_RO,
     PyBUF_STRIDES,
     PyBUF_WRITABLE,
     PyBuffer_Release,
     PyObject_GetBuffer,
 )
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New
 from cpython.object cimport PyObject
+from libc.stdint cimport int32_t, int64_t
 
 
 cdef extern from "Python.h":
     void* PyMem_RawCalloc(size_t nelem, size_t elsize)
 
-
-import sys
 
 cdef bint LITTLE_ENDIAN = sys.byteorder == "little"
 cdef PyObject** _token_table = NULL
@@ -82,3 +88,240 @@ cdef int view_int_column(object array, str name, Py_buffer* view, int flags,
     PyBuffer_Release(view)
     raise TypeError(f"{name} must be a 1-D {'int32 or int64' if int32_too else 'int64'} "
                     f"array, got a {ndim}-D array of format {form!r}")
+# ---------------------------------------------------------------------------
+# The view of a 2-D int tensor or buffer, and plain-list rows built from it.
+
+cdef object TORCH_INT32 = None    # torch.int32, torch.int64 and torch.strided,
+cdef object TORCH_INT64 = None    # looked up once, when the first tensor comes
+cdef object TORCH_STRIDED = None
+
+
+cdef int _view_buffer(const Py_buffer* buffer, SampledIds* ids, str name) except -1:
+    """Fill ``ids`` from an acquired buffer (the caller releases it)."""
+    cdef const char* fmt = buffer.format
+    if fmt[0] == b"@" or fmt[0] == b"=" or (fmt[0] == b"<" and LITTLE_ENDIAN):
+        fmt += 1
+    if (buffer.ndim != 2 or buffer.itemsize not in (4, 8)
+            or fmt[0] not in (b"i", b"l", b"q") or fmt[1] != 0):
+        raise TypeError(
+            f"{name} must be a 2-D int32 or int64 array, got a "
+            f"{buffer.ndim}-D array of format {buffer.format.decode()!r}"
+        )
+    ids.data = <const char*>buffer.buf
+    ids.num_rows, ids.width = buffer.shape[0], buffer.shape[1]
+    ids.row_stride, ids.col_stride = buffer.strides[0], buffer.strides[1]
+    ids.is_int64 = buffer.itemsize == 8
+    return 0
+
+
+cdef int _view_tensor(object tensor, SampledIds* ids, str name) except -1:
+    """Fill ``ids`` from a torch CPU tensor, sharing its memory."""
+    global TORCH_INT32, TORCH_INT64, TORCH_STRIDED
+    dtype = getattr(tensor, "dtype", None)
+    if TORCH_INT64 is None and "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        TORCH_INT32, TORCH_INT64, TORCH_STRIDED = torch.int32, torch.int64, torch.strided
+    if dtype is None:
+        raise TypeError(
+            f"{name} must be a 2-D int32 or int64 array or CPU "
+            f"tensor, got {type(tensor).__name__}"
+        )
+    if dtype is not TORCH_INT64 and dtype is not TORCH_INT32:
+        raise TypeError(f"{name} must be int32 or int64, got {dtype}")
+    if not tensor.is_cpu:
+        raise TypeError(f"{name} must be on the CPU, got {tensor.device}")
+    if tensor.layout is not TORCH_STRIDED:  # asked first: stride() would throw in C++
+        raise TypeError(f"{name} must be a dense tensor, got {tensor.layout}")
+    try:  # other storage-less tensors have neither
+        strides = tensor.stride()
+        data = tensor.data_ptr()
+    except RuntimeError:
+        raise TypeError(
+            f"{name} must be a dense tensor, got {tensor.layout}"
+        ) from None
+    if len(strides) != 2:
+        raise TypeError(f"{name} must be 2-D, got a {len(strides)}-D tensor")
+    shape = tensor.shape
+    ids.is_int64 = dtype is TORCH_INT64
+    itemsize = 8 if ids.is_int64 else 4
+    ids.data = <const char*><size_t>data
+    ids.num_rows, ids.width = shape[0], shape[1]
+    ids.row_stride, ids.col_stride = strides[0] * itemsize, strides[1] * itemsize
+    return 0
+
+
+cdef int view_ids(object source, SampledIds* ids, Py_buffer* buffer,
+                  bint* have_buffer, str name) except -1:
+    have_buffer[0] = False
+    if not PyObject_CheckBuffer(source):
+        return _view_tensor(source, ids, name)
+    PyObject_GetBuffer(source, buffer, PyBUF_RECORDS_RO)
+    have_buffer[0] = True
+    try:
+        return _view_buffer(buffer, ids, name)
+    except BaseException:
+        have_buffer[0] = False
+        PyBuffer_Release(buffer)
+        raise
+
+
+cdef list _rows_to_lists(const SampledIds* ids, Py_ssize_t num_rows, Py_ssize_t width,
+                         const unsigned char* cleared, const sampled_t* dtype):
+    cdef PyObject** table = token_table()
+    cdef list rows = PyList_New(num_rows)
+    cdef list row_ids
+    cdef PyObject* token
+    cdef Py_ssize_t row, col
+    for row in range(num_rows):
+        if cleared != NULL and cleared[row]:
+            row_ids = PyList_New(0)
+        else:
+            row_ids = PyList_New(width)
+            for col in range(width):
+                token = token_object(table, id_at(ids, row, col, dtype))
+                if token == NULL:
+                    raise MemoryError()  # row_ids, freed, skips its unfilled slots
+                list_set_item(<PyObject*>row_ids, col, token)
+        Py_INCREF(<PyObject*>row_ids)
+        list_set_item(<PyObject*>rows, row, <PyObject*>row_ids)
+    return rows
+
+
+cdef list rows_to_lists(const SampledIds* ids, Py_ssize_t num_rows, Py_ssize_t width,
+                        const unsigned char* cleared):
+    if ids.is_int64:
+        return _rows_to_lists(ids, num_rows, width, cleared, <const int64_t*>NULL)
+    return _rows_to_lists(ids, num_rows, width, cleared, <const int32_t*>NULL)
+
+
+cdef inline bint _is_valid(sampled_t value, int64_t vocab_size) noexcept nogil:
+    return value != -1 and value < vocab_size
+
+
+cdef list _valid_rows_to_lists(const SampledIds* ids, int64_t vocab_size,
+                               const unsigned char* cleared, const sampled_t* dtype):
+    cdef PyObject** table = token_table()
+    cdef list rows = PyList_New(ids.num_rows)
+    cdef list row_ids
+    cdef PyObject* token
+    cdef sampled_t value
+    cdef Py_ssize_t row, col, count, position
+    for row in range(ids.num_rows):
+        count = 0
+        if cleared == NULL or not cleared[row]:
+            for col in range(ids.width):
+                count += _is_valid(id_at(ids, row, col, dtype), vocab_size)
+        row_ids = PyList_New(count)
+        position = 0
+        col = 0
+        while position < count:
+            value = id_at(ids, row, col, dtype)
+            col += 1
+            if not _is_valid(value, vocab_size):
+                continue
+            token = token_object(table, value)
+            if token == NULL:
+                raise MemoryError()  # row_ids, freed, skips its unfilled slots
+            list_set_item(<PyObject*>row_ids, position, token)
+            position += 1
+        Py_INCREF(<PyObject*>row_ids)
+        list_set_item(<PyObject*>rows, row, <PyObject*>row_ids)
+    return rows
+
+
+cdef list valid_rows_to_lists(const SampledIds* ids, int64_t vocab_size,
+                              const unsigned char* cleared):
+    if ids.is_int64:
+        return _valid_rows_to_lists(ids, vocab_size, cleared, <const int64_t*>NULL)
+    return _valid_rows_to_lists(ids, vocab_size, cleared, <const int32_t*>NULL)
+
+
+cdef Py_ssize_t _row_index(Py_ssize_t index, Py_ssize_t num_rows, str name) except -1:
+    """``index`` as a row number, negative ones from the end, else IndexError."""
+    cdef Py_ssize_t row = index + num_rows if index < 0 else index
+    if row < 0 or row >= num_rows:
+        raise IndexError(f"{name}: index {index} is out of range for {num_rows} rows")
+    return row
+
+
+cdef int _flag_buffer(object indices, Py_ssize_t num_rows, unsigned char* flags,
+                      str name) except -1:
+    """``flag_rows`` of a 1-D integer buffer (a numpy index array, say)."""
+    cdef Py_buffer buffer
+    cdef const char* fmt
+    cdef const char* item
+    cdef Py_ssize_t i
+    cdef long long value
+    PyObject_GetBuffer(indices, &buffer, PyBUF_RECORDS_RO)
+    try:
+        fmt = buffer.format
+        if fmt[0] == b"@" or fmt[0] == b"=" or (fmt[0] == b"<" and LITTLE_ENDIAN):
+            fmt += 1
+        if (buffer.ndim != 1 or fmt[0] == 0 or fmt[1] != 0
+                or fmt[0] not in b"bhilqBHILQ" or buffer.itemsize not in (1, 2, 4, 8)):
+            raise TypeError(
+                f"{name} must be a list of ints or a 1-D integer array, got a "
+                f"{buffer.ndim}-D array of format {buffer.format.decode()!r}")
+        for i in range(buffer.shape[0]):
+            item = <const char*>buffer.buf + i * buffer.strides[0]
+            if fmt[0] in b"bhilq":
+                if buffer.itemsize == 1:
+                    value = (<const signed char*>item)[0]
+                elif buffer.itemsize == 2:
+                    value = (<const short*>item)[0]
+                elif buffer.itemsize == 4:
+                    value = (<const int*>item)[0]
+                else:
+                    value = (<const long long*>item)[0]
+            else:
+                if buffer.itemsize == 1:
+                    value = (<const unsigned char*>item)[0]
+                elif buffer.itemsize == 2:
+                    value = (<const unsigned short*>item)[0]
+                elif buffer.itemsize == 4:
+                    value = (<const unsigned int*>item)[0]
+                elif (<const unsigned long long*>item)[0] > <unsigned long long>num_rows:
+                    value = num_rows  # beyond int64: out of range all the same
+                else:
+                    value = <long long>(<const unsigned long long*>item)[0]
+            flags[_row_index(<Py_ssize_t>value, num_rows, name)] = 1
+    finally:
+        PyBuffer_Release(&buffer)
+    return 0
+
+
+cdef int flag_rows(object indices, Py_ssize_t num_rows, unsigned char* flags,
+                   str name, bint numpy_rules) except -1:
+    cdef Py_ssize_t i, index
+    cdef PyObject* item
+    if numpy_rules:
+        if PyList_CheckExact(<PyObject*>indices):
+            for i in range(PyList_GET_SIZE(indices)):
+                item = PyList_GET_ITEM(indices, i)
+                if not PyLong_CheckExact(item):
+                    raise TypeError(f"{name} must be a list of ints, got an item "
+                                    f"of type {type(<object>item).__name__}")
+                try:
+                    index = <object>item
+                except OverflowError:
+                    raise IndexError(f"{name}: index {<object>item} is out of "
+                                     f"range for {num_rows} rows") from None
+                flags[_row_index(index, num_rows, name)] = 1
+            return 0
+        if PyObject_CheckBuffer(indices):
+            return _flag_buffer(indices, num_rows, flags, name)
+        if PyTuple_Check(<PyObject*>indices) and Py_SIZE(<PyObject*>indices) == 0:
+            return 0
+        raise TypeError(f"{name} must be a list of ints or a 1-D integer array, "
+                        f"got {type(indices).__name__}")
+    for value in indices:
+        try:
+            index = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{name} must hold ints, got "
+                            f"{type(value).__name__}") from None
+        except OverflowError:
+            raise IndexError(f"{name}: index {value} is out of range for "
+                             f"{num_rows} rows") from None
+        flags[_row_index(index, num_rows, name)] = 1
+    return 0

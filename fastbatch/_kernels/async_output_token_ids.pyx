@@ -19,19 +19,19 @@ batch:
    one list store: no list is allocated.
 
 The sampled ids are read through a plain pointer and byte strides
-(``SampledIds``), taken from the buffer protocol (numpy arrays, ...) or from a
-torch CPU tensor's ``data_ptr()``/``stride()``: zero-copy either way.  Typed
+(``SampledIds``, shared with the rows-to-lists pieces in ``_common``), taken
+from the buffer protocol (numpy arrays, ...) or from a torch CPU tensor's
+``data_ptr()``/``stride()``: zero-copy either way.  Typed
 memoryviews were measured first; acquiring one (after ``tensor.numpy()``)
 cost about 1 us per call, which made a one-request step slower than vLLM's own
 loop.
 """
 
-from cpython.buffer cimport PyBUF_RECORDS_RO, PyBuffer_Release, PyObject_GetBuffer
+from cpython.buffer cimport PyBuffer_Release
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New
 from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from cpython.object cimport PyObject
 from libc.stdint cimport int32_t, int64_t, uint64_t
-from libc.string cimport memcpy
 
 from fastbatch._kernels._common cimport (
     MAX_INLINE_TAIL,
@@ -41,23 +41,19 @@ from fastbatch._kernels._common cimport (
     PyLong_CheckExact,
     PyList_Check,
     PyList_SetSlice,
-    PyObject_CheckBuffer,
     Py_DECREF,
     Py_None,
     Py_SET_SIZE,
+    SampledIds,
     as_row,
+    id_at,
     list_set_item,
     long_is_minus_one,
+    sampled_t,
     token_object,
     token_table,
+    view_ids,
 )
-
-import sys
-
-ctypedef fused sampled_t:
-    int32_t
-    int64_t
-
 
 ctypedef struct PlannedUpdate:
     Py_ssize_t index              # position in the batch (req_ids, output lists)
@@ -66,21 +62,9 @@ ctypedef struct PlannedUpdate:
     Py_ssize_t list_size          # length of the output list when planned
 
 
-ctypedef struct SampledIds:
-    const char* data
-    Py_ssize_t num_rows
-    Py_ssize_t width
-    Py_ssize_t row_stride         # in bytes
-    Py_ssize_t col_stride         # in bytes
-    bint is_int64
-
-
 # vLLM's placeholders are the literal -1: CPython's cached small int, so a
 # pointer comparison settles nearly every item; other ints are compared by value.
 cdef object MINUS_ONE = -1
-cdef bint LITTLE_ENDIAN = sys.byteorder == "little"
-cdef object TORCH_INT32 = None    # torch.int32 and torch.int64, looked up
-cdef object TORCH_INT64 = None    # once, when the first tensor comes
 
 # Process-wide counters, read with stats(): they let a test, or a user, prove
 # that the fast path really ran and really replaced placeholders.
@@ -170,79 +154,15 @@ cdef Py_ssize_t _plan(list req_ids, dict prev_req_id_to_index,
     return count
 
 
-cdef int _view_buffer(const Py_buffer* buffer, SampledIds* ids) except -1:
-    """Fill ``ids`` from an acquired buffer (the caller releases it)."""
-    cdef const char* fmt = buffer.format
-    if fmt[0] == b"@" or fmt[0] == b"=" or (fmt[0] == b"<" and LITTLE_ENDIAN):
-        fmt += 1
-    if (buffer.ndim != 2 or buffer.itemsize not in (4, 8)
-            or fmt[0] not in (b"i", b"l", b"q") or fmt[1] != 0):
-        raise TypeError(
-            "sampled_token_ids must be a 2-D int32 or int64 array, got a "
-            f"{buffer.ndim}-D array of format {buffer.format.decode()!r}"
-        )
-    ids.data = <const char*>buffer.buf
-    ids.num_rows, ids.width = buffer.shape[0], buffer.shape[1]
-    ids.row_stride, ids.col_stride = buffer.strides[0], buffer.strides[1]
-    ids.is_int64 = buffer.itemsize == 8
-    return 0
-
-
-cdef int _view_tensor(object tensor, SampledIds* ids) except -1:
-    """Fill ``ids`` from a torch CPU tensor, sharing its memory."""
-    global TORCH_INT32, TORCH_INT64
-    dtype = getattr(tensor, "dtype", None)
-    if TORCH_INT64 is None and "torch" in sys.modules:
-        TORCH_INT32, TORCH_INT64 = sys.modules["torch"].int32, sys.modules["torch"].int64
-    if dtype is None:
-        raise TypeError(
-            "sampled_token_ids must be a 2-D int32 or int64 array or CPU "
-            f"tensor, got {type(tensor).__name__}"
-        )
-    if dtype is not TORCH_INT64 and dtype is not TORCH_INT32:
-        raise TypeError(
-            f"sampled_token_ids must be int32 or int64, got {dtype}")
-    if not tensor.is_cpu:
-        raise TypeError(
-            f"sampled_token_ids must be on the CPU, got {tensor.device}")
-    try:  # sparse and other storage-less layouts have neither
-        strides = tensor.stride()
-        data = tensor.data_ptr()
-    except RuntimeError:
-        raise TypeError(
-            f"sampled_token_ids must be a dense tensor, got {tensor.layout}"
-        ) from None
-    if len(strides) != 2:
-        raise TypeError(
-            f"sampled_token_ids must be 2-D, got a {len(strides)}-D tensor")
-    shape = tensor.shape
-    ids.is_int64 = dtype is TORCH_INT64
-    itemsize = 8 if ids.is_int64 else 4
-    ids.data = <const char*><size_t>data
-    ids.num_rows, ids.width = shape[0], shape[1]
-    ids.row_stride, ids.col_stride = strides[0] * itemsize, strides[1] * itemsize
-    return 0
-
-
-cdef inline sampled_t _id_at(const SampledIds* ids, Py_ssize_t row, Py_ssize_t col,
-                             const sampled_t* dtype) noexcept nogil:
-    """The sampled id at (row, col); ``dtype`` only selects the fused type."""
-    cdef sampled_t value = 0
-    # memcpy: no alignment assumption; compilers emit a single load.
-    memcpy(&value, ids.data + row * ids.row_stride + col * ids.col_stride,
-           sizeof(sampled_t))
-    return value
-
-
 cdef inline Py_ssize_t _num_sampled(const SampledIds* ids, Py_ssize_t row,
                                     Py_ssize_t width, const sampled_t* dtype) noexcept nogil:
     """vLLM's count over the row's first ``width`` ids: ``width``, or the index
     of the first -1 if they end in -1."""
     cdef Py_ssize_t col
-    if _id_at(ids, row, width - 1, dtype) != -1:
+    if id_at(ids, row, width - 1, dtype) != -1:
         return width
     for col in range(width):
-        if _id_at(ids, row, col, dtype) == -1:
+        if id_at(ids, row, col, dtype) == -1:
             return col
     return width  # not reached: the last id is -1
 
@@ -267,7 +187,7 @@ cdef inline int _replace_tail(PyObject* token_ids, Py_ssize_t start, Py_ssize_t 
         return _replace_tail_general(token_ids, start, size, num_to_write, ids, row,
                                      dtype, table)
     for col in range(num_to_write):
-        token = token_object(table, _id_at(ids, row, col, dtype))
+        token = token_object(table, id_at(ids, row, col, dtype))
         if token == NULL:  # the slots written so far hold new ids: release theirs
             for i in range(col):
                 Py_DECREF(replaced[i])
@@ -291,7 +211,7 @@ cdef int _replace_tail_general(PyObject* token_ids, Py_ssize_t start, Py_ssize_t
     cdef PyObject* token
     cdef Py_ssize_t col
     for col in range(num_to_write):
-        token = token_object(table, _id_at(ids, row, col, dtype))
+        token = token_object(table, id_at(ids, row, col, dtype))
         if token == NULL:
             return -1  # new_ids, freed, skips its unfilled slots
         list_set_item(<PyObject*>new_ids, col, token)
@@ -338,7 +258,7 @@ cdef Py_ssize_t _apply(list output_token_ids, PlannedUpdate* plans,
         row_widths[row] = num_to_write
         if num_placeholders == 1 and num_to_write == 1:  # plain decode: one store
             replaced = PyList_GET_ITEM(<object>token_ids, start)
-            token = token_object(table, _id_at(ids, row, 0, dtype))
+            token = token_object(table, id_at(ids, row, 0, dtype))
             if token == NULL:
                 return -1
             list_set_item(token_ids, start, token)
@@ -452,14 +372,8 @@ cdef Py_ssize_t _update(list req_ids, dict prev_req_id_to_index,
     count = _plan(req_ids, prev_req_id_to_index, output_token_ids, scratch.plans)
     if count == 0:
         return 0  # vLLM neither synchronises nor reads the sampled ids
-    if PyObject_CheckBuffer(sampled_token_ids):
-        PyObject_GetBuffer(sampled_token_ids, &buffer, PyBUF_RECORDS_RO)
-        have_buffer = True
+    view_ids(sampled_token_ids, &ids, &buffer, &have_buffer, "sampled_token_ids")
     try:
-        if have_buffer:
-            _view_buffer(&buffer, &ids)
-        else:
-            _view_tensor(sampled_token_ids, &ids)
         for p in range(count):
             if scratch.plans[p].row >= ids.num_rows:
                 raise IndexError(

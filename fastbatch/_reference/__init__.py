@@ -7,34 +7,46 @@ from fastbatch._reference import (
     async_output_token_ids,
     async_spec_token_ids,
     bookkeeping_sync,
+    draft_lists,
     penalty_output_tokens,
     prepare_input_ids,
     prev_positions,
+    rejection_lists,
+    sampled_lists,
 )
 from fastbatch._reference.async_output_token_ids import update_async_output_token_ids
 from fastbatch._reference.async_spec_token_ids import update_async_spec_token_ids
 from fastbatch._reference.bookkeeping_sync import append_sampled_token_ids
+from fastbatch._reference.draft_lists import draft_token_lists
 from fastbatch._reference.penalty_output_tokens import output_tokens_tensor
 from fastbatch._reference.prepare_input_ids import prepare_input_ids_indices
 from fastbatch._reference.prev_positions import compute_prev_positions
+from fastbatch._reference.rejection_lists import rejection_output_lists
+from fastbatch._reference.sampled_lists import sampled_token_lists
 
 # Every piece, one a line (their counters make up stats()).
 PIECES = (
     async_output_token_ids,
     async_spec_token_ids,
     bookkeeping_sync,
+    draft_lists,
     penalty_output_tokens,
     prepare_input_ids,
     prev_positions,
+    rejection_lists,
+    sampled_lists,
 )
 stats, reset_stats = combined(*PIECES)
 
 __all__ = [
     "append_sampled_token_ids",
     "compute_prev_positions",
+    "draft_token_lists",
     "output_tokens_tensor",
     "prepare_input_ids_indices",
+    "rejection_output_lists",
     "reset_stats",
+    "sampled_token_lists",
     "stats",
     "update_async_output_token_ids",
     "update_async_spec_token_ids",

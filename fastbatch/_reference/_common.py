@@ -1,10 +1,12 @@
-"""What the pure-Python twins share: the argument checks of the compiled pieces."""
+"""What the pure-Python twins share: the argument checks of the compiled
+pieces, and the reading of a 2-D int tensor or buffer as the kernels'
+``SampledIds`` view reads it."""
 
 from __future__ import annotations
 
 import operator
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -61,3 +63,84 @@ def int_column(array: Any, name: str, *, writable: bool, int32_too: bool) -> mem
         raise TypeError(f"{name} must be a writable 1-D int array, got "
                         f"{type(array).__name__} (read-only)")
     return view
+def _checked_tensor(tensor: Any, name: str) -> tuple[int, int, Callable[[], list[list[int]]]]:
+    """A torch tensor's shape and reader, after the kernel's checks, in its order."""
+    dtype = getattr(tensor, "dtype", None)
+    if dtype is None or not hasattr(tensor, "data_ptr"):
+        raise TypeError(f"{name} must be a 2-D int32 or int64 array or CPU "
+                        f"tensor, got {type(tensor).__name__}")
+    torch = sys.modules.get("torch")
+    if torch is None or dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {dtype}")
+    if not tensor.is_cpu:
+        raise TypeError(f"{name} must be on the CPU, got {tensor.device}")
+    if tensor.layout is not torch.strided:
+        raise TypeError(f"{name} must be a dense tensor, got {tensor.layout}")
+    if tensor.dim() != 2:
+        raise TypeError(f"{name} must be 2-D, got a {tensor.dim()}-D tensor")
+    return tensor.shape[0], tensor.shape[1], tensor.tolist
+
+
+def checked_ids(source: Any, name: str) -> tuple[int, int, Callable[[], list[list[int]]]]:
+    """The rows and width of a 2-D int32/int64 CPU tensor or buffer, and a
+    reader of its values as nested lists (called only when they are needed).
+
+    Checked as the kernels' ``view_ids`` checks; ``name`` is the argument's
+    name in the TypeError.
+    """
+    try:
+        view = memoryview(source)
+    except TypeError:
+        return _checked_tensor(source, name)
+    fmt = view.format
+    if fmt[:1] in ("@", "=") or (fmt[:1] == "<" and sys.byteorder == "little"):
+        fmt = fmt[1:]
+    if not (view.ndim == 2 and fmt in ("q", "l", "i") and view.itemsize in (4, 8)):
+        raise TypeError(f"{name} must be a 2-D int32 or int64 array, "
+                        f"got a {view.ndim}-D array of format {view.format!r}")
+    return view.shape[0], view.shape[1], view.tolist
+
+
+def _row_index(index: int, num_rows: int, name: str) -> int:
+    row = index + num_rows if index < 0 else index
+    if not 0 <= row < num_rows:
+        raise IndexError(f"{name}: index {index} is out of range for {num_rows} rows")
+    return row
+
+
+def flagged_rows(indices: Any, num_rows: int, name: str, numpy_rules: bool) -> set[int]:
+    """The row numbers in ``indices``, as the kernels' ``flag_rows`` reads them:
+    a list's indexing, or with ``numpy_rules`` only what numpy's fancy indexing
+    reads the same way (a list of exact ints, an empty sequence, a 1-D integer
+    buffer)."""
+    if numpy_rules:
+        if type(indices) is list:
+            for item in indices:
+                if type(item) is not int:
+                    raise TypeError(f"{name} must be a list of ints, got an item "
+                                    f"of type {type(item).__name__}")
+            values: Iterable[int] = indices
+        else:
+            try:
+                view = memoryview(indices)
+            except TypeError:
+                if isinstance(indices, tuple) and not indices:
+                    return set()
+                raise TypeError(f"{name} must be a list of ints or a 1-D integer array, "
+                                f"got {type(indices).__name__}") from None
+            fmt = view.format
+            if fmt[:1] in ("@", "=") or (fmt[:1] == "<" and sys.byteorder == "little"):
+                fmt = fmt[1:]
+            if view.ndim != 1 or len(fmt) != 1 or fmt not in "bhilqBHILQ":
+                raise TypeError(f"{name} must be a list of ints or a 1-D integer array, "
+                                f"got a {view.ndim}-D array of format {view.format!r}")
+            values = view.tolist()
+        return {_row_index(value, num_rows, name) for value in values}
+    rows = set()
+    for value in indices:
+        try:
+            index = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{name} must hold ints, got {type(value).__name__}") from None
+        rows.add(_row_index(index, num_rows, name))
+    return rows

@@ -22,11 +22,10 @@ list is changed:
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
-from fastbatch._reference._common import Counters, as_row, check_types
+from fastbatch._reference._common import Counters, as_row, check_types, checked_ids
 
 _counters = Counters(("calls", "syncs", "requests_updated", "tokens_written",
                       "placeholders_dropped"))
@@ -51,43 +50,6 @@ def _resolve_sync(copy_ready: Any) -> Callable[[], object] | None:
         return copy_ready
     raise TypeError("copy_ready must be None, an event with .synchronize() or "
                     f"a callable, got {type(copy_ready).__name__}")
-
-
-def _checked_tensor(tensor: Any) -> tuple[int, Callable[[], list[list[int]]]]:
-    """A torch tensor's row count and reader, after the kernel's checks, in its order."""
-    dtype = getattr(tensor, "dtype", None)
-    if dtype is None or not hasattr(tensor, "data_ptr"):
-        raise TypeError("sampled_token_ids must be a 2-D int32 or int64 array or CPU "
-                        f"tensor, got {type(tensor).__name__}")
-    torch = sys.modules.get("torch")
-    if torch is None or dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"sampled_token_ids must be int32 or int64, got {dtype}")
-    if not tensor.is_cpu:
-        raise TypeError(f"sampled_token_ids must be on the CPU, got {tensor.device}")
-    if tensor.layout is not torch.strided:
-        raise TypeError(f"sampled_token_ids must be a dense tensor, got {tensor.layout}")
-    if tensor.dim() != 2:
-        raise TypeError(f"sampled_token_ids must be 2-D, got a {tensor.dim()}-D tensor")
-    return tensor.shape[0], tensor.tolist
-
-
-def _checked_sampled(sampled_token_ids: Any) -> tuple[int, Callable[[], list[list[int]]]]:
-    """The sampled ids' row count, and a reader of their values as nested lists.
-
-    Checked as the kernel checks them; the values are read only when the
-    reader is called, after the copy-ready synchronisation.
-    """
-    try:
-        view = memoryview(sampled_token_ids)
-    except TypeError:
-        return _checked_tensor(sampled_token_ids)
-    fmt = view.format
-    if fmt[:1] in ("@", "=") or (fmt[:1] == "<" and sys.byteorder == "little"):
-        fmt = fmt[1:]
-    if not (view.ndim == 2 and fmt in ("q", "l", "i") and view.itemsize in (4, 8)):
-        raise TypeError("sampled_token_ids must be a 2-D int32 or int64 array, "
-                        f"got a {view.ndim}-D array of format {view.format!r}")
-    return view.shape[0], view.tolist
 
 
 def update_async_output_token_ids(
@@ -130,7 +92,7 @@ def update_async_output_token_ids(
     if not plans:
         return 0
 
-    num_rows, read_rows = _checked_sampled(sampled_token_ids)
+    num_rows, _, read_rows = checked_ids(sampled_token_ids, "sampled_token_ids")
     for index, row, _ in plans:
         if row >= num_rows:
             raise IndexError(f"prev_req_id_to_index[{req_ids[index]!r}] = {row} "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import logging
 import os
 import pickle
@@ -126,6 +127,7 @@ class Patch:
         self.shadow = shadow
         self.needs_async_scheduling = needs_async_scheduling
         self._original: Any = None
+        self._stored: Any = None  # the attribute as stored (a staticmethod, say)
         self._reset_verification()
 
     def _reset_verification(self) -> None:
@@ -220,6 +222,7 @@ class Patch:
             return False
         fastbatch.reset_stats()  # count vLLM's calls only, not the checks'
         self._original = method
+        self._stored = inspect.getattr_static(owner, attribute)
         self._reset_verification()
         self.verify_rate = verify
         setattr(owner, attribute, self.checked_replacement(method, verify) if verify > 0
@@ -237,8 +240,8 @@ class Patch:
         if self._original is None:
             return
         owner, name, _ = _lookup(self.module, self.qualname)
-        setattr(owner, name, self._original)
-        self._original = None
+        setattr(owner, name, self._stored)
+        self._original = self._stored = None
         self._reset_verification()
 
     # FASTBATCH_VERIFY ---------------------------------------------------------
