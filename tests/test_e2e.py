@@ -65,6 +65,10 @@ WORKLOADS = {
              "--varied", "--max-num-seqs", "16", "--no-plain"],
     "spec": ["--draft-model", "{model}", "--num-speculative-tokens", "3",
              "--num-prompts", "20", "--max-tokens", "200", "--varied", "--no-plain"],
+    # Small, and every piece has work: spec decoding, penalties and bad words
+    # (output history), async scheduling.
+    "every-piece": ["--draft-model", "{model}", "--num-speculative-tokens", "3",
+                    "--num-prompts", "12", "--max-tokens", "40", "--no-plain"],
 }
 
 
@@ -267,6 +271,20 @@ def test_penalties_kernel_at_long_outputs(generate):
     assert stats["requests_updated"] >= sum(lengths) - 2 * len(lengths)
     assert stats["spec_calls"] == 0
     assert stock_worker["stats"]["penalty_tensors"] == 0  # stock: counters stay 0
+
+
+@pytest.mark.parametrize("name", PATCH_NAMES)
+def test_disable_one_piece_leaves_it_stock_and_tokens_unchanged(generate, name):
+    """FASTBATCH_DISABLE=<piece>, for each piece: that piece stays stock, every
+    other one is installed, and the tokens are stock's."""
+    stock = generate(fastbatch=False, workload="every-piece")
+    partial = generate(fastbatch=True, workload="every-piece", disable=name)
+
+    (worker,) = partial["workers"]
+    assert worker["async_scheduling"] is True
+    assert worker["patches"] == {other: other != name for other in PATCH_NAMES}
+    assert partial["token_ids"] == stock["token_ids"]
+    assert partial["bad_word_violations"] == []
 
 
 def test_disable_penalties_leaves_that_piece_stock(generate):
