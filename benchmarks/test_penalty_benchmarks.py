@@ -4,8 +4,10 @@
 Variants: ``stock`` (vLLM's function, then ``masked_fill_(t == -1, vocab_size)``
 as ``apply_all_penalties`` does), ``stock_convert`` (vLLM's function alone: on
 a GPU the masking runs on the device, so this is stock's CPU cost there; it is
-checked after masking its result, untimed), ``fastbatch`` (the drop-in the plugin
-installs, compiled kernel, masking folded in), ``fallback`` (the same with the
+checked after masking its result, untimed), ``fastbatch`` (what the installed
+``apply_all_penalties`` runs, with the piece applied: the compiled conversion,
+masking folded in, and no masking after it; like for like with ``stock``),
+``fallback`` (the pure-Python conversion, masking folded in; the same with the
 pure-Python reference; not run above ``FALLBACK_MAX_TOKENS``, where one call
 takes seconds).  No variant changes its input; every benchmark checks that its
 tensor equals stock's (values, shape, dtype), so ``--benchmark-disable`` (CI)
@@ -19,10 +21,13 @@ import torch
 from penalty_states import (
     FALLBACK_MAX_TOKENS,
     PENALTY_GRID,
+    PIECE_APPLIED,
+    STOCK_CONVERT,
     UNMASKED,
     VARIANTS,
     VOCAB_SIZE,
     output_token_rows,
+    patch,
     penalties,
     stock,
 )
@@ -90,8 +95,21 @@ def _check(got, expected, variant, cell):
     assert torch.equal(got, expected), f"{variant} differs from stock vLLM on {cell.label}"
 
 
+@pytest.fixture
+def piece(request, no_pinned_memory):
+    """The penalties piece applied for the variants that time the installed
+    path, reverted after; stock vLLM for the others."""
+    applied = request.node.callspec.params["variant"] in PIECE_APPLIED
+    if applied:
+        assert patch.apply(), "the penalties piece refused to install"
+    yield
+    if applied:
+        patch.revert()
+    assert penalties._convert_to_tensors is STOCK_CONVERT
+
+
 @pytest.mark.parametrize(("cell", "variant"), list(_params()))
-def test_penalty_tensor(benchmark, penalty_state, cell, variant):
+def test_penalty_tensor(benchmark, penalty_state, piece, cell, variant):
     rows, expected = penalty_state(cell)
     function = VARIANTS[variant]
     assert expected.shape == (cell.requests, cell.output_len)

@@ -17,7 +17,8 @@ off (unset, empty, ``0``) nothing of vLLM is imported or touched.
 pieces stock while the others are on:
   ``output``     ``InputBatch.update_async_output_token_ids``
   ``spec``       ``InputBatch.update_async_spec_token_ids``
-  ``penalties``  ``penalties._convert_to_tensors``
+  ``penalties``  ``penalties._convert_to_tensors``, and ``apply_all_penalties``
+                 (no masking after fastbatch's conversion)
 Unknown names are reported in a warning and ignored.
 
 The switches are deliberately not named ``VLLM_*``: vLLM warns about unknown
@@ -94,6 +95,8 @@ def status(worker: Any = None) -> dict[str, Any]:
     passes in (the worker, or its wrapper); when given, ``async_scheduling``
     says whether its model runner runs with async scheduling, without which
     the two ``update_async_*`` methods have nothing to do.
+    ``penalty_masking_skipped`` lists the modules whose ``apply_all_penalties``
+    is fastbatch's (no masking after fastbatch's conversion).
     """
     import fastbatch
 
@@ -106,6 +109,9 @@ def status(worker: Any = None) -> dict[str, Any]:
         "mode": mode(),
         "installed": any(patches.values()),
         "patches": patches,
+        "penalty_masking_skipped": sorted(
+            module for module, skipped in importlib.import_module(
+                PATCHES["penalties"]).masking_skipped().items() if skipped),
         "compiled": fastbatch.COMPILED,
         "async_scheduling": getattr(runner, "use_async_scheduling", None),
         "stats": fastbatch.stats(),
