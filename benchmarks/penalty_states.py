@@ -97,4 +97,3 @@ VARIANTS = {
     "fastbatch": fastbatch,
     "fallback": fallback,
 }
-PIECE_APPLIED = frozenset({"fastbatch"})  # variants timed with the penalties piece on
