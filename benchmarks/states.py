@@ -107,7 +107,10 @@ class State:
             for token_ids in batch.req_output_token_ids:
                 token_ids.extend(history)
         rows = rng.permutation(cell.requests)
-        batch.prev_req_id_to_index = {f"req-{i}": int(rows[i]) for i in range(cell.requests)}
+        # The batch's own id strings as keys, as in vLLM (the map is built from
+        # the previous step's req_ids), so lookups hit on identity.
+        batch.prev_req_id_to_index = {req_id: int(row)
+                                      for req_id, row in zip(batch.req_ids, rows, strict=True)}
         width = cell.placeholders
         sampled = rng.integers(0, 32_000, (cell.requests, width)).astype(np.int32)
         if cell.mode == "spec":  # accept 0..4 drafts (+ bonus), pad the rest with -1
