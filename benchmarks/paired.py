@@ -10,6 +10,12 @@ Each round thus gives times taken within milliseconds of each other under the
 same load, and the per-round ratio cancels most of that load.  The report is
 the median of the per-round ratios with its spread (quartiles, min and max).
 
+Variants a hundred times slower than the rest (vLLM <= 0.21's forward scan,
+the pure-Python fallback) get rounds of their own, fewer, after the others':
+in the same round as the fast variants, their milliseconds of memory traffic
+(and the preemptions they attract on a shared machine) would leave the fast
+ones cold in a cell meant to be warm.
+
 Cold rounds (``evict``): the caches are flushed right before each timed call,
 by touching a buffer bigger than the last-level cache, as a model's forward
 pass does between two steps.
@@ -55,13 +61,18 @@ class PairedRounds:
     arguments of a call; ``others`` maps a variant name to a callable taking
     those arguments; ``check(name)`` (optional) verifies the state after the
     first call of each other variant; ``evict`` (optional) flushes the caches
-    before every call, timed or not.
+    before every call, timed or not; else ``touch`` (optional) reads what a
+    call will read, right before it, so that warm means warm even when the
+    round's slow variants (or another process on this shared machine) have
+    just evicted it.
     """
 
     def __init__(self, prepare: Callable[[], tuple], others: Mapping[str, Callable[..., Any]],
                  check: Callable[[str], None] | None = None,
-                 evict: Callable[[], None] | None = None) -> None:
-        self.prepare, self.others, self.check, self.evict = prepare, others, check, evict
+                 evict: Callable[[], None] | None = None,
+                 touch: Callable[[], None] | None = None) -> None:
+        self.prepare, self.others, self.check = prepare, others, check
+        self.evict, self.touch = evict, touch
         self.times: dict[str, list[float]] = {name: [] for name in others}
         self._round = 0
 
@@ -69,6 +80,8 @@ class PairedRounds:
         args = self.prepare()
         if self.evict is not None:
             self.evict()
+        elif self.touch is not None:
+            self.touch()
         return args
 
     def _time_others(self) -> None:
@@ -89,6 +102,17 @@ class PairedRounds:
         if self._round % 2 == 1:
             self._time_others()
         self._round += 1
+
+    def run(self, timed: Callable[..., Any], rounds: int) -> list[float]:
+        """The same rounds without pytest-benchmark: the times of ``timed``."""
+        times = []
+        for _ in range(rounds):
+            args, _ = self.setup()
+            started = time.perf_counter()
+            timed(*args)
+            times.append(time.perf_counter() - started)
+            self.teardown()
+        return times
 
     def summary(self, timed_name: str, timed: list[float]) -> dict[str, Any]:
         """Per variant: the median time (seconds); per other variant: the

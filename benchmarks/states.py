@@ -129,6 +129,17 @@ class State:
             del token_ids[base:]
             token_ids.extend(self.placeholder_tail)
 
+    def touch(self) -> None:
+        """Read what an update reads (each id's map entry, each list's last
+        items and the int before its placeholders), to make the state warm."""
+        lookup = self.batch.prev_req_id_to_index.get
+        before = -1 - self.cell.placeholders
+        for req_id, token_ids in zip(self.batch.req_ids, self.batch.req_output_token_ids,
+                                     strict=True):
+            lookup(req_id)
+            if token_ids[before] == -1:
+                raise AssertionError("a placeholder inside the history")
+
     def tails(self) -> list[list[int]]:
         """What an update can change: every list from the end of its history on.
 
