@@ -117,7 +117,7 @@ class PairedRounds:
     def summary(self, timed_name: str, timed: list[float]) -> dict[str, Any]:
         """Per variant: the median time (seconds); per other variant: the
         per-round ratios other / timed, as median, quartiles, min and max."""
-        rounds = min(len(timed), *(len(t) for t in self.times.values()))
+        rounds = min([len(timed), *(len(t) for t in self.times.values())])
         medians = {timed_name: statistics.median(timed[:rounds])}
         ratios = {}
         for name, times in self.times.items():
