@@ -3,7 +3,9 @@
 Every step in which a request has a presence, frequency or repetition
 penalty, vLLM 0.33.0's ``apply_all_penalties`` turns the batch's output token
 lists into a padded int64 tensor (``penalties._convert_to_tensors``) and then
-masks the async -1 placeholders to ``vocab_size``.  A ``PenaltyCell`` is
+masks the async -1 placeholders to ``vocab_size``; with ``FASTBATCH=1``
+fastbatch's conversion masks them in its single pass and the masking after it
+does not run.  A ``PenaltyCell`` is
 (requests, longest output); its rows are what vLLM keeps: lists of Python
 ints (fresh objects, as ``.tolist()`` makes them), ids below 151,936 (Qwen's
 vocabulary), lengths spread over [L/2, L] with one row of exactly L, and a
@@ -78,13 +80,20 @@ def fallback(output_token_ids: list[list[int]], vocab_size: int, device) -> torc
     return tokens.to(device, non_blocking=True)
 
 
+def fastbatch(output_token_ids: list[list[int]], vocab_size: int, device) -> torch.Tensor:
+    """What the ``apply_all_penalties`` that ``FASTBATCH=1`` installs does before
+    the penalty arithmetic: the conversion installed in penalties.py, masked
+    unless it is fastbatch's.  Timed with the penalties piece applied (see
+    test_penalty_benchmarks.py), so it is fastbatch's conversion and no
+    masking: like for like with ``stock``."""
+    return patch.output_tokens_masked(output_token_ids, vocab_size, device)
+
+
 VARIANTS = {
     "stock": stock,
     # vLLM's conversion alone: on a GPU, stock's masking runs on the device,
     # so this is stock's CPU cost there (the check masks it afterwards).
     "stock_convert": STOCK_CONVERT,
-    # The installed drop-in: the masking is folded in, so apply_all_penalties'
-    # masked_fill_ after it finds nothing to change (not timed here).
-    "fastbatch": patch._convert_to_tensors,
+    "fastbatch": fastbatch,
     "fallback": fallback,
 }

@@ -3,15 +3,22 @@
     tox -e bench                      # installs vLLM 0.33.0 (CPU) and runs this
     python benchmarks/run.py --out results   # inside an environment that has it
 
-Runs benchmarks/test_update_benchmarks.py, test_spec_benchmarks.py,
-test_penalty_benchmarks.py and test_bookkeeping_benchmarks.py
-(pytest-benchmark; every variant on identical fresh state each round, each
-checked against stock vLLM), then prints the medians
-and the ratios fastbatch vs stock vLLM 0.33.0, vs the vLLM <= 0.21 forward
-scan and vs the floor, checks them against the targets, and writes
-OUT/microbench.json (raw), OUT/microbench-summary.json, OUT/microbench.png
-(the output-token update) and OUT/microbench-spec-penalties.png (the spec-token
-update and the penalties' tensor).  Arguments it does not know go to pytest
+Runs benchmarks/test_update_benchmarks.py, test_spec_benchmarks.py and
+test_penalty_benchmarks.py (pytest-benchmark, one test per cell in paired
+rounds: fastbatch timed by pytest-benchmark, every other variant timed in the
+same round on the same fresh state, each checked against stock vLLM; see
+benchmarks/paired.py), then, after pytest-benchmark's own table (fastbatch
+only), writes OUT/microbench.json (raw), OUT/microbench-summary.json,
+OUT/microbench.png (the output-token update, warm and cold) and
+OUT/microbench-spec-penalties.png (the spec-token update and the penalties'
+tensor), and prints the summary last: median microseconds per variant, the
+median per-round ratios fastbatch vs stock vLLM 0.33.0, vs the vLLM <= 0.21
+forward scan and vs the floor with their quartiles, the medians of the
+runner pieces' cells (test_bookkeeping_benchmarks.py,
+test_runner_input_benchmarks.py, test_row_lists_benchmarks.py: stock and
+fastbatch timed as separate pytest-benchmark tests, not paired), and the
+targets.  test_verify_benchmarks.py's FASTBATCH_VERIFY costs are in the raw
+JSON (group ``verify``).  Arguments it does not know go to pytest
 (e.g. ``-k penalties``); the report covers the groups that ran.
 """
 
@@ -43,40 +50,269 @@ def run_grid(raw: Path, extra: list[str]) -> float:
                         "-p", "no:cacheprovider",
                         "--benchmark-only", f"--benchmark-json={raw}",
                         "--benchmark-columns=median,iqr,rounds", "--benchmark-sort=name",
+                        "--benchmark-time-unit=us",
                         *extra])
     if code != 0:
         sys.exit(f"benchmark run failed (pytest exit code {code})")
     return time.perf_counter() - started
 
 
-def load_medians(raw: Path) -> tuple[dict, dict]:
-    """{(mode, requests, output_len): {variant: median seconds}}, machine info
-    (the output-token update; the other groups: ``load_groups``)."""
+def load(raw: Path) -> tuple[dict, dict, dict, dict]:
+    """The paired summaries (benchmarks/paired.py) of each group, keyed by cell:
+    the output-token update {(mode, requests, output_len, cold)}, the
+    spec-token update {(requests, drafts)}, the penalties' tensor
+    {(requests, output_len)}; and the machine info."""
     data = json.loads(raw.read_text())
     cells: dict = {}
+    spec: dict = {}
+    penalty: dict = {}
     for bench in data["benchmarks"]:
         info = bench["extra_info"]
-        if "group" in info:
+        if "paired" not in info:
             continue
-        key = (info["mode"], info["requests"], info["output_len"])
-        cells.setdefault(key, {})[info["variant"]] = bench["stats"]["median"]
-    return cells, data["machine_info"]
-
-
-def load_groups(raw: Path) -> tuple[dict, dict]:
-    """The spec-token update, {(requests, drafts): {variant: median seconds}}, and
-    the penalties' tensor, {(requests, output_len): {variant: median seconds}}."""
-    groups: dict = {"spec_tokens": {}, "penalties": {}}
-    for bench in json.loads(raw.read_text())["benchmarks"]:
-        info = bench["extra_info"]
         if info.get("group") == "spec_tokens":
-            key = (info["requests"], info["drafts"])
+            spec[(info["requests"], info["drafts"])] = info["paired"]
         elif info.get("group") == "penalties":
-            key = (info["requests"], info["output_len"])
+            penalty[(info["requests"], info["output_len"])] = info["paired"]
         else:
-            continue
-        groups[info["group"]].setdefault(key, {})[info["variant"]] = bench["stats"]["median"]
-    return groups["spec_tokens"], groups["penalties"]
+            key = (info["mode"], info["requests"], info["output_len"], info["cold"])
+            cells[key] = info["paired"]
+    return cells, spec, penalty, data["machine_info"]
+
+
+def ratio(paired: dict, variant: str) -> float:
+    """Median of the per-round ratios variant / fastbatch (how many times
+    faster fastbatch is)."""
+    return paired["ratios"][variant]["median"]
+
+
+def over_floor(paired: dict) -> dict:
+    """fastbatch / floor per round (the inverse of the floor's ratio)."""
+    floor = paired["ratios"]["floor"]
+    return {"median": 1 / floor["median"], "q1": 1 / floor["q3"], "q3": 1 / floor["q1"],
+            "min": 1 / floor["max"], "max": 1 / floor["min"]}
+
+
+def check_targets(cells: dict, grid_seconds: float, spec: dict | None = None,
+                  penalty: dict | None = None) -> list[dict]:
+    """The targets of the benchmark issues, measured (medians of the per-round
+    ratios); never asserted in tests.  Each group's targets only if that group
+    ran in full (it does in the full grid)."""
+    targets = []
+
+    def add(name, value, goal, ok):
+        targets.append({"target": name, "measured": round(value, 3), "goal": goal, "met": ok})
+
+    if cells:
+        try:
+            update_targets(cells, add)
+        except (KeyError, ValueError):  # a partial grid (pytest -k)
+            print("output-token update targets skipped: not every cell ran")
+    spec_at_256 = [ratio(paired, "stock") for (n, _), paired in (spec or {}).items()
+                   if n == 256]
+    if spec_at_256:
+        add("spec tokens: stock / fastbatch at 256 requests (worst k)", min(spec_at_256),
+            ">= 10", min(spec_at_256) >= 10)
+    if (256, 4000) in (penalty or {}):
+        value = ratio(penalty[(256, 4000)], "stock")
+        add("penalties: stock (conversion + masking) / fastbatch (conversion, no masking) "
+            "at 256 x 4000", value, ">= 5", value >= 5)
+        value = ratio(penalty[(256, 4000)], "stock_convert")
+        add("penalties: stock conversion alone / fastbatch at 256 x 4000", value,
+            ">= 5", value >= 5)
+    add("grid wall time, minutes", grid_seconds / 60, "< 10", grid_seconds < 600)
+    return targets
+
+
+def update_targets(cells: dict, add) -> None:
+    """The output-token update's targets."""
+    def fb(mode, n, length):
+        return cells[(mode, n, length, False)]["median_seconds"]["fastbatch"]
+
+    for mode in ("decode", "spec"):
+        value = ratio(cells[(mode, 256, 4000, False)], "stock")
+        add(f"{mode}: stock / fastbatch at 256 x 4000, warm", value, ">= 15", value >= 15)
+    for mode, n in (("decode", 1024), ("spec", 256)):
+        if (mode, n, 4000, True) in cells:
+            value = ratio(cells[(mode, n, 4000, True)], "stock")
+            add(f"{mode}: stock / fastbatch at {n} x 4000, cold", value, ">= 12", value >= 12)
+    for n in (256, 1024):
+        worst = max(over_floor(cells[("decode", n, length, False)])["median"]
+                    for length in (100, 4000, 60000))
+        add(f"decode: fastbatch / floor at {n} requests (worst length)", worst, "<= 1.3",
+            worst <= 1.3)
+    for n in (1, 64, 256, 1024, 4096):
+        flat = max(fb(mode, n, 60000) / fb(mode, n, 100) for mode in ("decode", "spec"))
+        floor_flat = (cells[("decode", n, 60000, False)]["median_seconds"]["floor"]
+                      / cells[("decode", n, 100, False)]["median_seconds"]["floor"])
+        add(f"fastbatch at 60000 / at 100 tokens, {n} requests (floor: {floor_flat:.2f})",
+            flat, "<= 1.2", flat <= 1.2)
+    worst_small = min(ratio(cells[(mode, 1, length, False)], "stock")
+                      for mode in ("decode", "spec") for length in (100, 4000, 60000))
+    add("stock / fastbatch at 1 request (worst cell)", worst_small, ">= 1", worst_small >= 1)
+    worst_idle = min(ratio(paired, "stock") for key, paired in cells.items()
+                     if key[0] == "idle")
+    add("stock / fastbatch, nothing needed (worst cell)", worst_idle, ">= 1 (same path)",
+        worst_idle >= 0.97)
+
+
+def _spread(values: dict) -> str:
+    return f"{values['median']:.2f} [{values['q1']:.2f}-{values['q3']:.2f}]"
+
+
+def print_rows(title: str, variants: tuple, ratios: tuple, rows, with_floor: bool) -> None:
+    """One table: median microseconds per variant, then the per-round ratios
+    (median [quartiles]) of each variant in ``ratios`` over fastbatch, and
+    fastbatch over the floor."""
+    print(f"\n{title}")
+    print(f"{'cell':<24}" + "".join(f"{v.replace('_', ' '):>14}" for v in variants)
+          + "".join(f"{r.replace('_', ' ') + ' / fb':>24}" for r in ratios)
+          + (f"{'fb / floor':>22}" if with_floor else ""))
+    for label, paired in rows:
+        times = paired["median_seconds"]
+        line = f"{label:<24}" + "".join(
+            f"{times[v] * 1e6:>14.2f}" if v in times else f"{'-':>14}" for v in variants)
+        line += "".join(f"{_spread(paired['ratios'][r]):>24}" if r in paired["ratios"]
+                        else f"{'-':>24}" for r in ratios)
+        if with_floor:
+            line += (f"{_spread(over_floor(paired)):>22}" if "floor" in paired["ratios"]
+                     else f"{'-':>22}")
+        print(line)
+
+
+def print_tables(cells: dict, spec: dict, penalty: dict) -> None:
+    if cells:
+        def label(key):
+            mode, n, length, cold = key
+            return f"{mode}{' cold' if cold else ''} {n} x {length}"
+
+        print_rows("InputBatch.update_async_output_token_ids, warm caches",
+                   VARIANTS, ("stock", "forward_scan"),
+                   ((label(k), p) for k, p in sorted(cells.items()) if not k[3]), True)
+        cold = sorted(k for k in cells if k[3])
+        if cold:
+            print_rows("... the same, cold: lists and ints laid out as a generation builds "
+                       "them, caches flushed before every call; beside each, its warm twin",
+                       ("stock", "fastbatch", "floor"), ("stock",),
+                       ((label(key), cells[key]) for k in cold
+                        for key in (k, (*k[:3], False)) if key in cells), True)
+    if spec:
+        print_rows("InputBatch.update_async_spec_token_ids (k: draft tokens per request)",
+                   SPEC_VARIANTS, ("stock",),
+                   ((f"spec tokens {n} k={k}", p) for (n, k), p in sorted(spec.items())), True)
+    if penalty:
+        print_rows("penalties' output-token tensor (stock: _convert_to_tensors + the -1 "
+                   "masking of apply_all_penalties; fastbatch: its conversion, no masking "
+                   "after it; stock convert: _convert_to_tensors alone, the CPU part on a GPU)",
+                   PENALTY_VARIANTS, ("stock", "stock_convert"),
+                   ((f"penalties {n} x {length}", p)
+                    for (n, length), p in sorted(penalty.items())), False)
+
+
+def _ratio_points(axes, points: list, label: str, style: str) -> None:
+    """Median ratio with its interquartile range as error bars."""
+    if not points:
+        return
+    xs = [x for x, _ in points]
+    medians = [r["median"] for _, r in points]
+    errors = [[r["median"] - r["q1"] for _, r in points],
+              [r["q3"] - r["median"] for _, r in points]]
+    axes.errorbar(xs, medians, yerr=errors, fmt=style, capsize=3, label=label)
+
+
+def plot(cells: dict, path: Path) -> None:
+    """The output-token update: times at 4000 tokens (warm), and the ratios
+    stock / fastbatch per cell, warm and cold, with their spread."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (times_axes, ratio_axes) = plt.subplots(1, 2, figsize=(12, 4.8))
+    styles = {"stock": "C3o-", "forward_scan": "C1s--", "fastbatch": "C0^-",
+              "fallback": "C7v:", "floor": "C2.-"}
+    for variant, style in styles.items():
+        points = sorted((n, p["median_seconds"][variant]) for (m, n, length, cold), p
+                        in cells.items() if m == "decode" and length == 4000 and not cold
+                        and variant in p["median_seconds"])
+        if points:
+            times_axes.plot([x for x, _ in points], [t * 1e6 for _, t in points], style,
+                            label=variant.replace("_", " "))
+    times_axes.set(xscale="log", yscale="log", xlabel="requests in the batch",
+                   ylabel="median time per step (us)",
+                   title="decode, 4000 tokens per request, warm")
+    for (mode, cold), style in ((("decode", False), "C0o-"), (("spec", False), "C9s--"),
+                                (("decode", True), "C3o-"), (("spec", True), "C1s--")):
+        _ratio_points(ratio_axes, sorted(
+            (n, p["ratios"]["stock"]) for (m, n, length, c), p in cells.items()
+            if m == mode and c == cold and length == 4000),
+            f"{mode}, {'cold' if cold else 'warm'}", style)
+    ratio_axes.axhline(1, color="grey", lw=0.8)
+    ratio_axes.set(xscale="log", yscale="log", xlabel="requests in the batch",
+                   ylabel="stock / fastbatch (median of rounds, IQR bars)",
+                   title="how many times faster, 4000 tokens per request")
+    for axes in (times_axes, ratio_axes):
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend(fontsize=8)
+    figure.suptitle("InputBatch.update_async_output_token_ids per step "
+                    "(spec: 4 drafts; cold: caches flushed, lists laid out by a generation)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def plot_groups(spec: dict, penalty: dict, path: Path) -> None:
+    """The spec-token update against requests (times at k=3, ratios per k) and
+    the penalties' tensor against output length (times at 1024 requests,
+    ratios per batch size)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, ((spec_times, penalty_times), (spec_ratios, penalty_ratios)) = plt.subplots(
+        2, 2, figsize=(12, 8))
+    colours = {"stock": "C3o-", "stock_convert": "C1s--", "fastbatch": "C0^-",
+               "fallback": "C7v:", "floor": "C2.-"}
+    k_shown = 3 if any(k == 3 for _, k in spec) else max((k for _, k in spec), default=0)
+    n_shown = max((n for n, _ in penalty), default=0)
+    for variant, style in colours.items():
+        points = sorted((n, p["median_seconds"][variant]) for (n, k), p in spec.items()
+                        if k == k_shown and variant in p["median_seconds"])
+        if points:
+            spec_times.plot([x for x, _ in points], [t * 1e6 for _, t in points], style,
+                            label=variant.replace("_", " "))
+        points = sorted((length, p["median_seconds"][variant]) for (n, length), p
+                        in penalty.items() if n == n_shown and variant in p["median_seconds"])
+        if points:
+            penalty_times.plot([x for x, _ in points], [t * 1e6 for _, t in points], style,
+                               label=variant.replace("_", " "))
+    for k, style in zip(sorted({k for _, k in spec}), ("C0o-", "C2s--", "C4^:"), strict=False):
+        _ratio_points(spec_ratios, sorted((n, p["ratios"]["stock"]) for (n, kk), p
+                                          in spec.items() if kk == k), f"k={k}", style)
+    for n, style in zip(sorted({n for n, _ in penalty}), ("C0o-", "C3s--"), strict=False):
+        _ratio_points(penalty_ratios, sorted((length, p["ratios"]["stock"]) for (nn, length), p
+                                             in penalty.items() if nn == n),
+                      f"{n} requests", style)
+    spec_times.set(title=f"InputBatch.update_async_spec_token_ids, k={k_shown}",
+                   ylabel="median time per step (us)")
+    penalty_times.set(title=f"penalties: output-token tensor, {n_shown} requests",
+                      ylabel="median time per step (us)")
+    spec_ratios.set(xlabel="requests in the batch", title="stock / fastbatch, per k",
+                    ylabel="median of rounds (IQR bars)")
+    penalty_ratios.set(xlabel="longest output (tokens)",
+                       title="stock (conversion + masking) / fastbatch (conversion)",
+                       ylabel="median of rounds (IQR bars)")
+    for axes in (spec_times, penalty_times, spec_ratios, penalty_ratios):
+        axes.set(xscale="log", yscale="log")
+        axes.grid(True, which="both", alpha=0.3)
+        if axes.lines or axes.containers:
+            axes.legend(fontsize=8)
+    for axes in (spec_ratios, penalty_ratios):
+        axes.axhline(1, color="grey", lw=0.8)
+    spec_times.set(xlabel="requests in the batch")
+    penalty_times.set(xlabel="longest output (tokens)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
 
 
 def load_bookkeeping(raw: Path) -> dict:
@@ -135,113 +371,6 @@ def print_runner_tables(groups: dict) -> None:
             print(row)
 
 
-def check_targets(cells: dict, grid_seconds: float, spec: dict | None = None,
-                  penalty: dict | None = None) -> list[dict]:
-    """The targets of the benchmark issues, measured; never asserted in tests.
-    Each group's targets only if that group ran in full (it does in the full grid)."""
-    targets = []
-
-    def add(name, value, goal, ok):
-        targets.append({"target": name, "measured": round(value, 3), "goal": goal, "met": ok})
-
-    if cells:
-        try:
-            update_targets(cells, add)
-        except (KeyError, ValueError):  # a partial grid (pytest -k)
-            print("output-token update targets skipped: not every cell ran")
-    spec_at_256 = [times["stock"] / times["fastbatch"]
-                   for (n, _), times in (spec or {}).items() if n == 256]
-    if spec_at_256:
-        add("spec tokens: stock / fastbatch at 256 requests (worst k)", min(spec_at_256),
-            ">= 10", min(spec_at_256) >= 10)
-    if (256, 4000) in (penalty or {}):
-        value = penalty[(256, 4000)]["stock"] / penalty[(256, 4000)]["fastbatch"]
-        add("penalties tensor: stock / fastbatch at 256 x 4000", value, ">= 5", value >= 5)
-        value = penalty[(256, 4000)]["stock_convert"] / penalty[(256, 4000)]["fastbatch"]
-        add("penalties tensor: stock conversion alone / fastbatch at 256 x 4000", value,
-            ">= 5", value >= 5)
-    add("grid wall time, minutes", grid_seconds / 60, "< 10", grid_seconds < 600)
-    return targets
-
-
-def update_targets(cells: dict, add) -> None:
-    """The output-token update's targets."""
-    def fb(mode, n, length):
-        return cells[(mode, n, length)]["fastbatch"]
-
-    def ratio(mode, n, length, variant):
-        return cells[(mode, n, length)][variant] / fb(mode, n, length)
-
-    for mode in ("decode", "spec"):
-        value = ratio(mode, 256, 4000, "stock")
-        add(f"{mode}: stock / fastbatch at 256 x 4000", value, ">= 15", value >= 15)
-    for n in (256, 1024):
-        worst = max(fb("decode", n, length) / cells[("decode", n, length)]["floor"]
-                    for length in (100, 4000, 60000))
-        add(f"decode: fastbatch / floor at {n} requests (worst length)", worst, "<= 1.3",
-            worst <= 1.3)
-    for n in (1, 64, 256, 1024, 4096):
-        flat = max(fb(mode, n, 60000) / fb(mode, n, 100) for mode in ("decode", "spec"))
-        floor_flat = (cells[("decode", n, 60000)]["floor"]
-                      / cells[("decode", n, 100)]["floor"])
-        add(f"fastbatch at 60000 / at 100 tokens, {n} requests (floor: {floor_flat:.2f})",
-            flat, "<= 1.2", flat <= 1.2)
-    worst_small = min(ratio(mode, 1, length, "stock")
-                      for mode in ("decode", "spec") for length in (100, 4000, 60000))
-    add("stock / fastbatch at 1 request (worst cell)", worst_small, ">= 1", worst_small >= 1)
-    worst_idle = min(v["stock"] / v["fastbatch"] for k, v in cells.items() if k[0] == "idle")
-    add("stock / fastbatch, nothing needed (worst cell)", worst_idle, ">= 1 (same path)",
-        worst_idle >= 0.97)
-
-
-def print_table(cells: dict) -> None:
-    header = (f"{'cell':<22}" + "".join(f"{v:>13}" for v in VARIANTS)
-              + f"{'vs stock':>10}{'vs fwd':>10}{'/ floor':>9}")
-    print("\nmedian time per step, microseconds (ratios: how many times faster fastbatch is;"
-          " / floor: fastbatch time over the floor's)")
-    print(header)
-    for (mode, n, length), times in sorted(cells.items()):
-        row = f"{mode + ' ' + str(n) + ' x ' + str(length):<22}"
-        row += "".join(f"{times[v] * 1e6:>13.2f}" if v in times else f"{'-':>13}"
-                       for v in VARIANTS)
-        row += f"{times['stock'] / times['fastbatch']:>9.1f}x"
-        row += f"{times['forward_scan'] / times['fastbatch']:>9.0f}x"
-        row += (f"{times['fastbatch'] / times['floor']:>9.2f}" if "floor" in times
-                else f"{'-':>9}")
-        print(row)
-
-
-def print_group_tables(spec: dict, penalty: dict) -> None:
-    """The spec-token update and the penalties' tensor, with the ratios stock /
-    fastbatch (and, for the penalties, vLLM's conversion alone / fastbatch)."""
-    def print_rows(variants, ratios, rows):
-        over_floor = "floor" in variants
-        print(f"{'cell':<22}" + "".join(f"{v:>14}" for v in variants)
-              + "".join(f"{'vs ' + r.removeprefix('stock_'):>11}" for r in ratios)
-              + (f"{'/ floor':>9}" if over_floor else ""))
-        for label, times in rows:
-            print(f"{label:<22}"
-                  + "".join(f"{times[v] * 1e6:>14.2f}" if v in times else f"{'-':>14}"
-                            for v in variants)
-                  + "".join(f"{times[r] / times['fastbatch']:>10.1f}x" if r in times
-                            else f"{'-':>11}" for r in ratios)
-                  + ((f"{times['fastbatch'] / times['floor']:>9.2f}" if "floor" in times
-                      else f"{'-':>9}") if over_floor else ""))
-
-    if spec:
-        print("\nInputBatch.update_async_spec_token_ids, median time per step, microseconds"
-              " (k: draft tokens per request; / floor: fastbatch time over the floor's)")
-        print_rows(SPEC_VARIANTS, ("stock",),
-                   ((f"spec tokens {n} k={k}", times) for (n, k), times in sorted(spec.items())))
-    if penalty:
-        print("\npenalties' output-token tensor, median time per step, microseconds (stock:"
-              " _convert_to_tensors + the -1 masking of apply_all_penalties; stock_convert:"
-              " _convert_to_tensors alone, the CPU part on a GPU; fallback: '-' where skipped)")
-        print_rows(PENALTY_VARIANTS, ("stock", "stock_convert"),
-                   ((f"penalties {n} x {length}", times)
-                    for (n, length), times in sorted(penalty.items())))
-
-
 def load_row_lists(raw: Path) -> dict:
     """The rows-to-lists pieces (group ``row_lists``),
     {(piece, requests, width): {variant: median seconds}}."""
@@ -269,78 +398,6 @@ def print_row_lists(rows: dict) -> None:
                         for v in ("stock", "fastbatch")) + ratio)
 
 
-def plot_groups(spec: dict, penalty: dict, path: Path) -> None:
-    """Second figure: the spec-token update against requests, the penalties'
-    tensor against output length."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (spec_axes, penalty_axes) = plt.subplots(1, 2, figsize=(12, 4.8))
-    colours = {"stock": "C3", "stock_convert": "C1", "fastbatch": "C0", "fallback": "C7",
-               "floor": "C2"}
-    for variant, colour in colours.items():
-        for k, style in zip(sorted({k for _, k in spec}), ("o:", "s-", "^--"), strict=False):
-            points = sorted((n, v[variant]) for (n, kk), v in spec.items()
-                            if kk == k and variant in v)
-            if points:
-                spec_axes.plot([p[0] for p in points], [p[1] * 1e6 for p in points],
-                               colour + style, label=f"{variant} (k={k})")
-        for n, style in zip(sorted({n for n, _ in penalty}), ("o-", "s--"), strict=False):
-            points = sorted((length, v[variant]) for (nn, length), v in penalty.items()
-                            if nn == n and variant in v)
-            if points:
-                penalty_axes.plot([p[0] for p in points], [p[1] * 1e6 for p in points],
-                                  colour + style, label=f"{variant} ({n} requests)")
-    spec_axes.set(xscale="log", yscale="log", xlabel="requests in the batch",
-                  ylabel="time per step (us)",
-                  title="InputBatch.update_async_spec_token_ids")
-    penalty_axes.set(xscale="log", yscale="log", xlabel="longest output (tokens)",
-                     ylabel="time per step (us)",
-                     title="penalties: output-token tensor (+ -1 masking)")
-    for axes in (spec_axes, penalty_axes):
-        axes.grid(True, which="both", alpha=0.3)
-        if axes.lines:
-            axes.legend(fontsize=7, ncol=2)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-
-
-def plot(cells: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (by_requests, by_length) = plt.subplots(1, 2, figsize=(12, 4.8))
-    styles = {"stock": "C3o-", "forward_scan": "C1s--", "fastbatch": "C0^-",
-              "fallback": "C7v:", "floor": "C2.-"}
-    for variant, style in styles.items():
-        for mode, marker_fill in (("decode", "full"), ("spec", "none")):
-            points = sorted((n, v[variant]) for (m, n, length), v in cells.items()
-                            if m == mode and length == 4000 and variant in v)
-            if points:
-                by_requests.plot([p[0] for p in points], [p[1] * 1e6 for p in points], style,
-                                 fillstyle=marker_fill, label=f"{variant} ({mode})")
-            points = sorted((length, v[variant]) for (m, n, length), v in cells.items()
-                            if m == mode and n == 256 and variant in v)
-            if points:
-                by_length.plot([p[0] for p in points], [p[1] * 1e6 for p in points], style,
-                               fillstyle=marker_fill, label=f"{variant} ({mode})")
-    by_requests.set(xscale="log", yscale="log", xlabel="requests in the batch",
-                    ylabel="time per step (us)", title="output length 4000")
-    by_length.set(xscale="log", yscale="log", xlabel="output tokens per request",
-                  ylabel="time per step (us)", title="256 requests")
-    for axes in (by_requests, by_length):
-        axes.grid(True, which="both", alpha=0.3)
-    by_length.legend(fontsize=7, ncol=2)
-    figure.suptitle("InputBatch.update_async_output_token_ids per step "
-                    "(filled: decode, hollow: spec decode with 4 drafts)")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("results"))
@@ -354,23 +411,11 @@ def main() -> None:
         grid_seconds = json.loads(summary_path.read_text())["grid_seconds"]
     else:
         grid_seconds = run_grid(raw, extra)
-    cells, machine = load_medians(raw)
-    spec, penalty = load_groups(raw)
-    row_lists = load_row_lists(raw)
-    if cells:
-        print_table(cells)
-    print_group_tables(spec, penalty)
+    cells, spec, penalty, machine = load(raw)
     bookkeeping = load_bookkeeping(raw)
-    if bookkeeping:
-        print_bookkeeping_table(bookkeeping)
     runner_groups = load_runner_groups(raw)
-    print_runner_tables(runner_groups)
-    print_row_lists(row_lists)
+    row_lists = load_row_lists(raw)
     targets = check_targets(cells, grid_seconds, spec, penalty)
-    print("\ntargets")
-    for target in targets:
-        print(f"  {'met   ' if target['met'] else 'MISSED'} {target['target']}: "
-              f"{target['measured']} (goal {target['goal']})")
     import vllm
 
     import fastbatch
@@ -378,15 +423,14 @@ def main() -> None:
     machine_line = (f"{machine['cpu'].get('brand_raw', '?')}, {machine['cpu'].get('count')} "
                     f"cores, Python {platform.python_version()}, vLLM {vllm.__version__}, "
                     f"fastbatch {fastbatch.__version__} (compiled: {fastbatch.COMPILED})")
-    print(f"\nmachine: {machine_line}\ngrid wall time: {grid_seconds:.0f} s")
     summary_path.write_text(json.dumps({
         "machine": machine_line,
         "grid_seconds": grid_seconds,
         "targets": targets,
-        "median_seconds": {f"{m}-{n}x{length}": v for (m, n, length), v in sorted(cells.items())},
-        "spec_tokens_median_seconds": {f"{n}xk{k}": v for (n, k), v in sorted(spec.items())},
-        "penalties_median_seconds": {f"{n}x{length}": v
-                                     for (n, length), v in sorted(penalty.items())},
+        "output_tokens": {f"{m}{'-cold' if c else ''}-{n}x{length}": p
+                          for (m, n, length, c), p in sorted(cells.items())},
+        "spec_tokens": {f"{n}xk{k}": p for (n, k), p in sorted(spec.items())},
+        "penalties": {f"{n}x{length}": p for (n, length), p in sorted(penalty.items())},
         "bookkeeping_median_seconds": {f"{n}-{mode}": v
                                        for (n, mode), v in sorted(bookkeeping.items())},
         **{f"{group}_median_seconds": {f"{shape}-{n}": v for (n, shape), v in sorted(cells.items())}
@@ -394,14 +438,32 @@ def main() -> None:
         "row_lists_median_seconds": {f"{piece}-{n}x{width}": v
                                      for (piece, n, width), v in sorted(row_lists.items())},
     }, indent=1))
+    written = [raw, summary_path]
     if cells:
         plot(cells, args.out / "microbench.png")
-        print(f"wrote {raw}, {summary_path} and {args.out / 'microbench.png'}")
-    else:
-        print(f"wrote {raw} and {summary_path}")
+        written.append(args.out / "microbench.png")
     if spec or penalty:
         plot_groups(spec, penalty, args.out / "microbench-spec-penalties.png")
-        print(f"wrote {args.out / 'microbench-spec-penalties.png'}")
+        written.append(args.out / "microbench-spec-penalties.png")
+    print(f"\nwrote {', '.join(map(str, written))}")
+
+    print("\n" + "=" * 30 + " SUMMARY " + "=" * 30)
+    print("Times: median microseconds per call (one step's update), each variant timed"
+          " in the same\nrounds on the same state.  Ratios: 'stock / fb' is how many times"
+          " faster fastbatch is,\nas the median of the per-round ratios [first-third"
+          " quartile]; 'fb / floor' is fastbatch's\ntime over the floor's (1.00 = as fast as"
+          " the minimal loop).  On a shared machine absolute\ntimes move by tens of percent"
+          " from run to run; the per-round ratios much less.")
+    print_tables(cells, spec, penalty)
+    if bookkeeping:
+        print_bookkeeping_table(bookkeeping)
+    print_runner_tables(runner_groups)
+    print_row_lists(row_lists)
+    print("\ntargets")
+    for target in targets:
+        print(f"  {'met   ' if target['met'] else 'MISSED'} {target['target']}: "
+              f"{target['measured']} (goal {target['goal']})")
+    print(f"\nmachine: {machine_line}\ngrid wall time: {grid_seconds:.0f} s")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,9 @@ class Cell:
     requests: int
     output_len: int
     mode: str  # "decode", "spec" (4 drafts, random acceptance) or "idle" (no async ids)
+    # Cold: the histories laid out as a generation builds them (see
+    # ``generate_histories``) and the caches flushed before every timed call.
+    cold: bool = False
 
     @property
     def placeholders(self) -> int:
@@ -41,12 +44,34 @@ class Cell:
 
     @property
     def label(self) -> str:
-        return f"{self.mode}-{self.requests}x{self.output_len}"
+        return f"{self.mode}{'-cold' if self.cold else ''}-{self.requests}x{self.output_len}"
+
+    @property
+    def warm(self) -> Cell:
+        """The same cell with warm caches and one shared history."""
+        return dataclasses.replace(self, cold=False)
 
 
 GRID = [Cell(n, length, mode) for mode in ("decode", "spec")
         for n in REQUESTS for length in OUTPUT_LENGTHS]
+# The engine's case: between two steps the forward pass evicts the lists and
+# ints.  The warm twin of each is in GRID.
+COLD_CELLS = [Cell(n, 4000, mode, cold=True) for mode in ("decode", "spec")
+              for n in (256, 1024)]
 IDLE_CELLS = [Cell(256, 4000, "idle"), Cell(4096, 4000, "idle")]
+
+
+def generate_histories(lists: list[list[int]], length: int, rng: np.random.Generator) -> None:
+    """Appends ``length`` tokens to every list as a generation does: one step
+    at a time, each step's ids fresh ints (``.tolist()`` of the sampled ids)
+    appended request by request.  So the int objects of one request lie
+    between those of the others, and the lists' buffers grow (and move)
+    interleaved with them: each list's tail on another page than its header
+    and than its neighbours'."""
+    for _ in range(length):
+        step = rng.integers(0, 32_000, len(lists)).tolist()
+        for token_ids, token in zip(lists, step, strict=True):
+            token_ids.append(token)
 
 
 class _NoWait:
@@ -75,11 +100,17 @@ class State:
         batch.refresh_metadata()
         # Long histories are added after add_request (which copies outputs into
         # a [max_num_reqs, max_model_len] tensor): the lists are vLLM's own.
-        history = [int(t) for t in rng.integers(0, 32_000, cell.output_len)]
-        for token_ids in batch.req_output_token_ids:
-            token_ids.extend(history)
+        if cell.cold:
+            generate_histories(batch.req_output_token_ids, cell.output_len, rng)
+        else:  # one shared history: compact, and cheap to build for the big cells
+            history = [int(t) for t in rng.integers(0, 32_000, cell.output_len)]
+            for token_ids in batch.req_output_token_ids:
+                token_ids.extend(history)
         rows = rng.permutation(cell.requests)
-        batch.prev_req_id_to_index = {f"req-{i}": int(rows[i]) for i in range(cell.requests)}
+        # The batch's own id strings as keys, as in vLLM (the map is built from
+        # the previous step's req_ids), so lookups hit on identity.
+        batch.prev_req_id_to_index = {req_id: int(row)
+                                      for req_id, row in zip(batch.req_ids, rows, strict=True)}
         width = cell.placeholders
         sampled = rng.integers(0, 32_000, (cell.requests, width)).astype(np.int32)
         if cell.mode == "spec":  # accept 0..4 drafts (+ bonus), pad the rest with -1
@@ -97,6 +128,17 @@ class State:
         for token_ids in self.batch.req_output_token_ids:
             del token_ids[base:]
             token_ids.extend(self.placeholder_tail)
+
+    def touch(self) -> None:
+        """Read what an update reads (each id's map entry, each list's last
+        items and the int before its placeholders), to make the state warm."""
+        lookup = self.batch.prev_req_id_to_index.get
+        before = -1 - self.cell.placeholders
+        for req_id, token_ids in zip(self.batch.req_ids, self.batch.req_output_token_ids,
+                                     strict=True):
+            lookup(req_id)
+            if token_ids[before] == -1:
+                raise AssertionError("a placeholder inside the history")
 
     def tails(self) -> list[list[int]]:
         """What an update can change: every list from the end of its history on.

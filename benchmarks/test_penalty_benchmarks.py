@@ -4,30 +4,38 @@
 Variants: ``stock`` (vLLM's function, then ``masked_fill_(t == -1, vocab_size)``
 as ``apply_all_penalties`` does), ``stock_convert`` (vLLM's function alone: on
 a GPU the masking runs on the device, so this is stock's CPU cost there; it is
-checked after masking its result, untimed), ``fastbatch`` (the drop-in the plugin
-installs, compiled kernel, masking folded in), ``fallback`` (the same with the
+checked after masking its result, untimed), ``fastbatch`` (what the installed
+``apply_all_penalties`` runs, with the piece applied: the compiled conversion,
+masking folded in, and no masking after it; like for like with ``stock``),
+``fallback`` (the pure-Python conversion, masking folded in; the same with the
 pure-Python reference; not run above ``FALLBACK_MAX_TOKENS``, where one call
 takes seconds).  No variant changes its input; every benchmark checks that its
 tensor equals stock's (values, shape, dtype), so ``--benchmark-disable`` (CI)
-still tests each variant.  Run ``tox -e bench`` for the timed grid.
+still tests each variant.  One test per cell, in paired rounds
+(benchmarks/paired.py): pytest-benchmark times ``fastbatch``, the others are
+timed in the same round, just before or after it.  Run ``tox -e bench`` for the timed grid.
 """
 
 import time
 
 import pytest
 import torch
+from paired import PairedRounds, rounds_for
 from penalty_states import (
     FALLBACK_MAX_TOKENS,
     PENALTY_GRID,
+    STOCK_CONVERT,
     UNMASKED,
     VARIANTS,
     VOCAB_SIZE,
     output_token_rows,
+    patch,
     penalties,
     stock,
 )
 
-ROUND_BUDGET_S = 0.4  # per benchmark: enough rounds for a steady median
+TIMED = "fastbatch"
+ROUND_BUDGET_S = 0.4  # per variant and cell: enough rounds for a steady median
 
 
 @pytest.fixture(autouse=True)
@@ -55,30 +63,14 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-def _params():
-    """Cell-major order, so each cell's rows are built once for all its variants."""
-    for cell in PENALTY_GRID:
-        for variant in VARIANTS:
-            if variant == "fallback" and cell.requests * cell.output_len > FALLBACK_MAX_TOKENS:
-                continue  # the pure-Python fallback: seconds per call there
-            yield pytest.param(cell, variant, id=f"{cell.label}-{variant}")
-
-
-@pytest.fixture(scope="module")
-def penalty_state():
-    """``penalty_state(cell)``: the rows of ``cell`` and stock's tensor for them,
-    built once; the previous cell's are dropped (the largest hold ~1 GB)."""
-    current = {}
-
-    def get(cell):
-        if cell not in current:
-            current.clear()
-            rows = output_token_rows(cell)
-            assert any(row[-1] == -1 for row in rows), "no placeholder to mask"
-            current[cell] = rows, stock(rows, VOCAB_SIZE, "cpu")
-        return current[cell]
-
-    return get
+@pytest.fixture
+def piece(no_pinned_memory):
+    """The penalties piece applied (the timed variant runs the installed path),
+    reverted after; the other variants call vLLM's functions directly."""
+    assert patch.apply(), "the penalties piece refused to install"
+    yield
+    patch.revert()
+    assert penalties._convert_to_tensors is STOCK_CONVERT
 
 
 def _check(got, expected, variant, cell):
@@ -90,17 +82,42 @@ def _check(got, expected, variant, cell):
     assert torch.equal(got, expected), f"{variant} differs from stock vLLM on {cell.label}"
 
 
-@pytest.mark.parametrize(("cell", "variant"), list(_params()))
-def test_penalty_tensor(benchmark, penalty_state, cell, variant):
-    rows, expected = penalty_state(cell)
-    function = VARIANTS[variant]
+@pytest.mark.parametrize("cell", [pytest.param(cell, id=cell.label) for cell in PENALTY_GRID])
+def test_penalty_tensor(benchmark, piece, cell):
+    rows = output_token_rows(cell)
+    assert any(row[-1] == -1 for row in rows), "no placeholder to mask"
+    expected = stock(rows, VOCAB_SIZE, "cpu")
     assert expected.shape == (cell.requests, cell.output_len)
+    names = [name for name in VARIANTS if name != TIMED and not (
+        name == "fallback" and cell.requests * cell.output_len > FALLBACK_MAX_TOKENS)]
+    results = {}
+
+    def keeping(name):
+        def call(*args):
+            results[name] = VARIANTS[name](*args)
+        return call
+
+    methods = {name: keeping(name) for name in names}
+    timed = VARIANTS[TIMED]
+
+    def check(variant):
+        _check(results.pop(variant), expected, variant, cell)
+
+    def prepare():
+        return rows, VOCAB_SIZE, "cpu"
 
     started = time.perf_counter()
-    _check(function(rows, VOCAB_SIZE, "cpu"), expected, variant, cell)  # also warms up
-    once = time.perf_counter() - started
+    _check(timed(*prepare()), expected, TIMED, cell)  # also warms up
+    for method in methods.values():
+        method(*prepare())
+    results.clear()
+    seconds_per_round = time.perf_counter() - started
+    paired = PairedRounds(prepare, methods, check)
     benchmark.extra_info.update(group="penalties", requests=cell.requests,
-                                output_len=cell.output_len, variant=variant)
-    got = benchmark.pedantic(function, args=(rows, VOCAB_SIZE, "cpu"), iterations=1,
-                             rounds=max(5, min(2000, int(ROUND_BUDGET_S / max(once, 1e-7)))))
-    _check(got, expected, variant, cell)
+                                output_len=cell.output_len, variant=TIMED)
+    benchmark.pedantic(timed, setup=paired.setup, teardown=paired.teardown, iterations=1,
+                       rounds=rounds_for(seconds_per_round,
+                                         ROUND_BUDGET_S * (1 + len(methods)), least=5))
+    results.clear()  # the largest hold ~1 GB
+    if benchmark.stats is not None:  # None with --benchmark-disable
+        benchmark.extra_info["paired"] = paired.summary(TIMED, benchmark.stats.stats.data)

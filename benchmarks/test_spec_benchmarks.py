@@ -3,58 +3,51 @@
 Variants: ``stock`` (vLLM 0.33.0's own method), ``fastbatch`` (the method the
 plugin installs, compiled kernel), ``fallback`` (the same with the pure-Python
 reference), ``floor`` (one dict lookup and an in-place copy per request, no
-checks: benchmarks/floor.pyx).  Every round starts from vLLM's own fresh per-step state
-(``SpecState.reset``, not timed: the spec lists refilled with placeholders,
-fresh draft rows), and every benchmark checks that its variant left the spec
-lists and the draft rows exactly as stock vLLM does, so ``--benchmark-disable``
-(CI) still tests each variant.  Run ``tox -e bench`` for the timed grid.
+checks: benchmarks/floor.pyx).  One test per cell, in paired rounds
+(benchmarks/paired.py): pytest-benchmark times ``fastbatch``, the others are
+timed in the same round on the same state.  Every call starts from vLLM's own
+fresh per-step state (``SpecState.reset``, not timed: the spec lists refilled
+with placeholders, fresh draft rows), and every variant is checked to leave the
+spec lists and the draft rows exactly as stock vLLM does, so
+``--benchmark-disable`` (CI) still tests each variant.  Run ``tox -e bench``
+for the timed grid.
 """
 
 import time
 
 import pytest
+from paired import PairedRounds, rounds_for
 from spec_states import SPEC_GRID, STOCK_METHOD, VARIANTS, SpecState
 
-ROUND_BUDGET_S = 0.4  # per benchmark: enough rounds for a steady median
+TIMED = "fastbatch"
+ROUND_BUDGET_S = 0.4  # per variant and cell: enough rounds for a steady median
 
 
-def _params():
-    """Cell-major order, so each state is built once for all its variants."""
-    for cell in SPEC_GRID:
-        for variant in (*VARIANTS, "floor"):
-            yield pytest.param(cell, variant, id=f"{cell.label}-{variant}")
+@pytest.mark.parametrize("cell", [pytest.param(cell, id=cell.label) for cell in SPEC_GRID])
+def test_spec_update(benchmark, spec_floor_update, cell):
+    state = SpecState(cell)
+    STOCK_METHOD(state.batch, state.reset())
+    expected = state.result()
+    methods = {**VARIANTS, "floor": spec_floor_update}
+    timed = methods.pop(TIMED)
 
+    def check(variant):
+        assert state.result() == expected, f"{variant} differs from stock vLLM on {cell.label}"
 
-@pytest.fixture(scope="module")
-def spec_state():
-    """``spec_state(cell)``: the state of ``cell`` and stock vLLM's result on it,
-    built once (one cell at a time)."""
-    current = {}
+    def prepare():
+        return state.batch, state.reset()
 
-    def get(cell):
-        if cell not in current:
-            current.clear()
-            state = SpecState(cell)
-            STOCK_METHOD(state.batch, state.reset())
-            current[cell] = state, state.result()
-        return current[cell]
-
-    return get
-
-
-@pytest.mark.parametrize(("cell", "variant"), list(_params()))
-def test_spec_update(benchmark, spec_state, spec_floor_update, cell, variant):
-    state, expected = spec_state(cell)
-    method = {**VARIANTS, "floor": spec_floor_update}[variant]
-    batch = state.batch
-
-    draft_token_ids = state.reset()
     started = time.perf_counter()
-    method(batch, draft_token_ids)  # also warms up
-    once = time.perf_counter() - started
-    assert state.result() == expected, f"{variant} differs from stock vLLM on {cell.label}"
+    timed(*prepare())  # also warms up
+    check(TIMED)
+    for method in methods.values():
+        method(*prepare())
+    seconds_per_round = time.perf_counter() - started
+    paired = PairedRounds(prepare, methods, check)
     benchmark.extra_info.update(group="spec_tokens", requests=cell.requests,
-                                drafts=cell.drafts, variant=variant)
-    benchmark.pedantic(method, setup=lambda: ((batch, state.reset()), {}), iterations=1,
-                       rounds=max(5, min(2000, int(ROUND_BUDGET_S / max(once, 1e-7)))))
-    assert state.result() == expected, f"{variant} differs from stock vLLM on {cell.label}"
+                                drafts=cell.drafts, variant=TIMED)
+    benchmark.pedantic(timed, setup=paired.setup, teardown=paired.teardown, iterations=1,
+                       rounds=rounds_for(seconds_per_round,
+                                         ROUND_BUDGET_S * (1 + len(methods)), least=5))
+    if benchmark.stats is not None:  # None with --benchmark-disable
+        benchmark.extra_info["paired"] = paired.summary(TIMED, benchmark.stats.stats.data)

@@ -17,7 +17,8 @@ off (unset, empty, ``0``) nothing of vLLM is imported or touched.
 pieces stock while the others are on:
   ``output``     ``InputBatch.update_async_output_token_ids``
   ``spec``       ``InputBatch.update_async_spec_token_ids``
-  ``penalties``  ``penalties._convert_to_tensors``
+  ``penalties``  ``penalties._convert_to_tensors``, and ``apply_all_penalties``
+                 (no masking after fastbatch's conversion)
   ``bookkeeping``  the loop of ``GPUModelRunner._bookkeeping_sync``
   ``prev_positions``  ``GPUModelRunner._compute_prev_positions``
   ``input_ids``  ``GPUModelRunner._prepare_input_ids``
@@ -168,7 +169,7 @@ def register() -> None:
                 logger.info("fastbatch: %s left stock (%s=%s)", patch.TARGET,
                             DISABLE_VAR, os.environ[DISABLE_VAR])
             continue
-        patch.PATCH.apply(force=current == "force", verify=rate, name=name)
+        patch.apply(force=current == "force", verify=rate, name=name)
     _report_runner_of_each_worker()
 
 
@@ -270,6 +271,8 @@ def status(worker: Any = None) -> dict[str, Any]:
     worker, the last one this process reported).  ``verify``: the
     ``FASTBATCH_VERIFY`` share of calls checked, and per piece the calls
     checked and the divergences found (a piece with one runs vLLM's code).
+    ``penalty_masking_skipped`` lists the modules whose ``apply_all_penalties``
+    is fastbatch's (no masking after fastbatch's conversion).
     """
     import fastbatch
 
@@ -281,6 +284,9 @@ def status(worker: Any = None) -> dict[str, Any]:
         "mode": mode(),
         "installed": any(patch.is_applied() for patch in patches.values()),
         "patches": {name: patch.is_applied() for name, patch in patches.items()},
+        "penalty_masking_skipped": sorted(
+            module for module, skipped in importlib.import_module(
+                PATCHES["penalties"]).masking_skipped().items() if skipped),
         "compiled": fastbatch.COMPILED,
         "async_scheduling": getattr(runner, "use_async_scheduling", None),
         "runner": _runner_seen if worker is None else model_runner.runner_kind(worker),

@@ -253,6 +253,11 @@ def test_penalties_kernel_at_long_outputs(generate):
     assert fastbatch_lines(ours, "model runner in use")[0].endswith(V1_SHADOWED_ACT)
     assert stock_worker["async_scheduling"] is our_worker["async_scheduling"] is True
     assert stock_worker["patches"] == dict.fromkeys(PATCH_NAMES, False)
+    # ...and apply_all_penalties ran no masking after it, whoever called it.
+    assert our_worker["penalty_masking_skipped"] == [
+        "vllm.v1.sample.ops.penalties", "vllm.v1.sample.rejection_sampler",
+        "vllm.v1.sample.sampler"]
+    assert stock_worker["penalty_masking_skipped"] == []
     assert our_worker["compiled"] is True
 
     # Token for token, at a few hundred tokens per request.
@@ -296,6 +301,7 @@ def test_disable_penalties_leaves_that_piece_stock(generate):
     assert worker["installed"] is True
     assert worker["patches"] == {name: name != "penalties" for name in PATCH_NAMES}
     assert worker["stats"]["penalty_tensors"] == worker["stats"]["penalty_tokens"] == 0
+    assert worker["penalty_masking_skipped"] == []
     assert worker["stats"]["requests_updated"] > 1000  # the output patch still ran
     assert partial["token_ids"] == stock["token_ids"]
 

@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 import torch
+from vllm.v1.sample import rejection_sampler, sampler
 from vllm.v1.sample.ops import penalties
 from vllm.v1.worker.gpu_input_batch import InputBatch
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -40,6 +41,8 @@ PATCHES = {name: importlib.import_module(module)
            for name, module in vllm_plugin.PATCHES.items()}
 STOCK = {name: _lookup(module.PATCH.module, module.PATCH.qualname)[2]
          for name, module in PATCHES.items()}
+STOCK_APPLY_ALL = penalties.apply_all_penalties
+BINDINGS = (sampler, rejection_sampler, penalties)  # where apply_all_penalties is called from
 
 
 def _stock_everywhere():
@@ -49,7 +52,14 @@ def _stock_everywhere():
             and GPUModelRunner._bookkeeping_sync is STOCK_BOOKKEEPING
             and GPUModelRunner._compute_prev_positions is STOCK_PREV_POSITIONS
             and GPUModelRunner._prepare_input_ids is STOCK_INPUT_IDS
-            and not any(module.is_applied() for module in PATCHES.values()))
+            and not any(module.is_applied() for module in PATCHES.values())
+            and all(binding.apply_all_penalties is STOCK_APPLY_ALL for binding in BINDINGS))
+
+
+def _masking_skipped_at():
+    """The modules whose apply_all_penalties is fastbatch's (no masking)."""
+    return {binding.__name__ for binding in BINDINGS
+            if binding.apply_all_penalties is penalty_patch.apply_all_penalties}
 
 
 class _Records(logging.Handler):
@@ -128,11 +138,14 @@ def test_switch_on_installs_once(monkeypatch, logs, value):
     vllm_plugin.register()
     assert current() == installed
     assert patch.original() is STOCK_METHOD
+    assert _masking_skipped_at() == {binding.__name__ for binding in BINDINGS}
     infos = logs.at(logging.INFO)
-    assert len(infos) == len(PATCHES)
-    for info, module in zip(infos, PATCHES.values(), strict=True):
-        for expected in (fastbatch.__version__, "vLLM 0.33.0", module.TARGET,
-                         "compiled kernel"):
+    targets = [module.TARGET for module in PATCHES.values()]
+    # after the conversion's line, one for each binding of apply_all_penalties
+    targets[3:3] = [f"{binding.__name__}.apply_all_penalties" for binding in BINDINGS]
+    assert len(infos) == len(targets)
+    for info, target in zip(infos, targets, strict=True):
+        for expected in (fastbatch.__version__, "vLLM 0.33.0", target, "compiled kernel"):
             assert expected in info
     status = vllm_plugin.status()
     assert status["installed"] is True
@@ -158,6 +171,7 @@ def test_disable_leaves_single_pieces_stock(monkeypatch, logs, value, stock):
     assert (GPUModelRunner._compute_prev_positions is STOCK_PREV_POSITIONS) == (
         "prev_positions" in stock)
     assert (GPUModelRunner._prepare_input_ids is STOCK_INPUT_IDS) == ("input_ids" in stock)
+    assert bool(_masking_skipped_at()) == ("penalties" not in stock)
     left_stock = [info for info in logs.at(logging.INFO) if "left stock" in info]
     assert len(left_stock) == len(stock)
     assert logs.at(logging.WARNING) == []
@@ -273,6 +287,39 @@ def test_guard_refuses_penalties_whose_masking_moved(monkeypatch, logs):
     assert penalty_patch.TARGET in warning
 
 
+def test_masking_is_never_skipped_without_fastbatchs_conversion(logs):
+    """The apply_all_penalties without masking is refused unless fastbatch's
+    conversion is applied, and reverted with it."""
+    for masking in penalty_patch.MASKING_PATCHES:
+        assert not masking.apply()
+    assert _stock_everywhere()
+    errors = logs.at(logging.ERROR)
+    assert len(errors) == 3
+    assert all("_convert_to_tensors is not applied" in error for error in errors)
+    assert penalty_patch.apply()
+    assert len(_masking_skipped_at()) == 3
+    penalty_patch.revert()
+    assert _stock_everywhere()
+
+
+def test_guard_refuses_a_changed_caller_binding(monkeypatch, logs):
+    """A binding that is not vLLM's verified function keeps what it has; the
+    other bindings and the conversion are still installed."""
+    def changed(*args):  # not vLLM's apply_all_penalties
+        return STOCK_APPLY_ALL(*args)
+
+    monkeypatch.setattr(sampler, "apply_all_penalties", changed)
+    monkeypatch.setenv("FASTBATCH", "1")
+    vllm_plugin.register()
+    assert sampler.apply_all_penalties is changed
+    assert _masking_skipped_at() == {"vllm.v1.sample.rejection_sampler",
+                                     "vllm.v1.sample.ops.penalties"}
+    assert penalties._convert_to_tensors is penalty_patch._convert_to_tensors
+    (warning,) = logs.at(logging.WARNING)
+    assert "vllm.v1.sample.sampler.apply_all_penalties" in warning
+    assert "not a verified variant" in warning
+
+
 def test_penalties_stay_stock_where_stock_cannot_pin(monkeypatch, logs):
     """PIN_MEMORY=True without an accelerator: stock would fail on its first
     use, so does the activation check (the flag really reaches torch), and
@@ -363,7 +410,9 @@ def test_force_patches_an_unknown_version(monkeypatch, logs):
     vllm_plugin.register()
     assert InputBatch.update_async_output_token_ids is patch.update_async_output_token_ids
     assert vllm_plugin.status()["patches"] == dict.fromkeys(PATCHES, True)
-    assert sum("patching anyway" in w for w in logs.at(logging.WARNING)) == len(PATCHES)
+    assert _masking_skipped_at() == {binding.__name__ for binding in BINDINGS}
+    assert sum("patching anyway" in w for w in logs.at(logging.WARNING)) == (
+        len(PATCHES) + len(BINDINGS))
 
 
 def test_force_still_needs_the_activation_check(monkeypatch, logs):

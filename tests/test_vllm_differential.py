@@ -10,6 +10,8 @@ vLLM's ``_convert_to_tensors`` and, through ``apply_all_penalties``, with the
 penalised logits themselves.
 """
 
+import contextlib
+import functools
 import os
 from types import SimpleNamespace
 
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.vllm
 
 import torch  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.sample import rejection_sampler, sampler  # noqa: E402
 from vllm.v1.sample.ops import penalties  # noqa: E402
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch  # noqa: E402
 
@@ -35,6 +38,8 @@ from fastbatch.patches import async_spec_token_ids as spec_patch  # noqa: E402
 from fastbatch.patches import penalty_output_tokens as penalty_patch  # noqa: E402
 
 MAX_REQS = 10
+STOCK_APPLY_ALL = penalties.apply_all_penalties
+BINDINGS = (penalties, sampler, rejection_sampler)  # the names apply_all_penalties has
 vllm_batches = batches(max_reqs=MAX_REQS, torch_allowed=False, output_items=INT32_OUTPUT_ITEMS)
 
 
@@ -296,16 +301,97 @@ def test_apply_all_penalties_gives_the_same_logits_patched(unpinned, rows, seed)
     frequency = torch.rand(num_reqs, generator=generator)
     repetition = 1 + torch.rand(num_reqs, generator=generator)
 
-    def penalised():
-        return penalties.apply_all_penalties(logits.clone(), prompt, presence, frequency,
-                                             repetition, rows)
+    def penalised(binding):
+        return binding.apply_all_penalties(logits.clone(), prompt, presence, frequency,
+                                           repetition, rows)
 
-    stock = penalised()
+    stock = penalised(penalties)
     assert penalty_patch.apply()
     try:
-        fastbatch.reset_stats()
-        patched = penalised()
-        assert fastbatch.stats()["penalty_tensors"] == 1
+        assert all(penalty_patch.masking_skipped().values())
+        for binding in BINDINGS:  # each caller's own name for the function
+            assert binding.apply_all_penalties is penalty_patch.apply_all_penalties
+            fastbatch.reset_stats()
+            assert torch.equal(penalised(binding), stock)
+            assert fastbatch.stats()["penalty_tensors"] == 1
     finally:
         penalty_patch.revert()
-    assert torch.equal(patched, stock)
+    assert not any(penalty_patch.masking_skipped().values())
+    assert all(binding.apply_all_penalties is STOCK_APPLY_ALL for binding in BINDINGS)
+
+
+def _penalty_inputs(rows, seed):
+    generator = torch.Generator().manual_seed(seed)
+    num_reqs = len(rows)
+    logits = torch.randn((num_reqs, VOCAB), generator=generator)
+    prompt = torch.randint(0, VOCAB + 1, (num_reqs, 7), generator=generator)
+    penalty_values = (torch.rand(num_reqs, generator=generator),
+                      torch.rand(num_reqs, generator=generator),
+                      1 + torch.rand(num_reqs, generator=generator))
+    return logits, prompt, penalty_values
+
+
+@contextlib.contextmanager
+def masked_fill_calls():
+    """The shapes ``Tensor.masked_fill_`` ran on, in the block (apply_penalties
+    itself never calls it: only apply_all_penalties' masking does)."""
+    calls = []
+    real = torch.Tensor.masked_fill_
+
+    def counted(self, *args, **kwargs):
+        calls.append(tuple(self.shape))
+        return real(self, *args, **kwargs)
+
+    torch.Tensor.masked_fill_ = counted
+    try:
+        yield calls
+    finally:
+        torch.Tensor.masked_fill_ = real
+
+
+def _wrapped(function):
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):  # a profiler's timer, say
+        return function(*args, **kwargs)
+    return wrapper
+
+
+@settings(max_examples=EXAMPLES // 4)
+@given(rows=PENALISED_ROWS, seed=st.integers(0, 2**16),
+       conversion=st.sampled_from(["fastbatch", "stock", "wrapped fastbatch"]))
+def test_no_masking_only_after_fastbatchs_conversion(unpinned, rows, seed, conversion):
+    """fastbatch's apply_all_penalties skips the masking exactly when the
+    conversion it called is fastbatch's; after stock's conversion (the piece
+    reverted, or its function wrapped) it masks as vLLM does, so the
+    penalised logits are vLLM's with and without -1 in the rows."""
+    logits, prompt, penalty_values = _penalty_inputs(rows, seed)
+    stock = STOCK_APPLY_ALL(logits.clone(), prompt, *penalty_values, rows)
+    installed = {"fastbatch": penalty_patch._convert_to_tensors,
+                 "stock": penalty_patch.original() or penalties._convert_to_tensors,
+                 "wrapped fastbatch": _wrapped(penalty_patch._convert_to_tensors)}
+    saved, penalties._convert_to_tensors = penalties._convert_to_tensors, installed[conversion]
+    try:
+        with masked_fill_calls() as masked:
+            got = penalty_patch.apply_all_penalties(logits.clone(), prompt, *penalty_values,
+                                                    rows)
+    finally:
+        penalties._convert_to_tensors = saved
+    assert torch.equal(got, stock)
+    assert len(masked) == (conversion != "fastbatch")
+
+
+def test_no_masking_with_the_piece_applied(unpinned):
+    rows = [[5, -1, 7], [], [-1, -1], [3, 2, 1]]
+    logits, prompt, penalty_values = _penalty_inputs(rows, 0)
+    with masked_fill_calls() as masked:
+        stock = STOCK_APPLY_ALL(logits.clone(), prompt, *penalty_values, rows)
+    assert masked == [(4, 3)]
+    assert penalty_patch.apply()
+    try:
+        for binding in BINDINGS:
+            with masked_fill_calls() as masked:
+                got = binding.apply_all_penalties(logits.clone(), prompt, *penalty_values,
+                                                  rows)
+            assert torch.equal(got, stock) and masked == []
+    finally:
+        penalty_patch.revert()

