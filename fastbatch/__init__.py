@@ -8,6 +8,9 @@
   ``InputBatch.update_async_spec_token_ids``.
 * ``output_tokens_tensor(output_token_ids, vocab_size, pin_memory=False)``:
   the penalties' padded output-token tensor, ``-1`` already masked.
+* ``allocate_slots_is_noop(manager, request, num_new_tokens, reserved_blocks,
+  kinds)``: whether vLLM's ``KVCacheManager.allocate_slots`` would change
+  nothing and return the empty blocks (a plain decode step of the scheduler).
 
 Each is a compiled piece (``fastbatch._kernels``, one module per piece) with a
 pure-Python twin (``fastbatch._reference``).  ``COMPILED`` says whether the
@@ -21,6 +24,7 @@ __version__ = "0.1.0"
 
 try:
     from fastbatch._kernels import (
+        allocate_slots_is_noop,
         output_tokens_tensor,
         reset_stats,
         stats,
@@ -35,6 +39,7 @@ except ImportError as exc:  # no compiled module for this platform/interpreter
         stacklevel=2,
     )
     from fastbatch._reference import (
+        allocate_slots_is_noop,
         output_tokens_tensor,
         reset_stats,
         stats,
@@ -49,6 +54,7 @@ else:
 __all__ = [
     "COMPILED",
     "__version__",
+    "allocate_slots_is_noop",
     "output_tokens_tensor",
     "reset_stats",
     "stats",

@@ -18,6 +18,7 @@ pieces stock while the others are on:
   ``output``     ``InputBatch.update_async_output_token_ids``
   ``spec``       ``InputBatch.update_async_spec_token_ids``
   ``penalties``  ``penalties._convert_to_tensors``
+  ``scheduler``  ``KVCacheManager.allocate_slots`` (the scheduler's decode fast path)
 Unknown names are reported in a warning and ignored.
 
 The switches are deliberately not named ``VLLM_*``: vLLM warns about unknown
@@ -39,6 +40,7 @@ PATCHES = {
     "output": "fastbatch.patches.async_output_token_ids",
     "spec": "fastbatch.patches.async_spec_token_ids",
     "penalties": "fastbatch.patches.penalty_output_tokens",
+    "scheduler": "fastbatch.patches.decode_slots",
 }
 _ON = {"1", "true", "yes", "on"}
 _OFF = {"", "0", "false", "no", "off"}

@@ -17,7 +17,8 @@ from fastbatch import _reference
 # Modules that import vLLM are not even collected where vLLM is not installed;
 # the tox environments that need them select them with -m, and pytest exits
 # non-zero there if nothing was collected.
-VLLM_MODULES = ["test_vllm_differential.py", "test_plugin.py", "test_e2e.py"]
+VLLM_MODULES = ["test_vllm_differential.py", "test_plugin.py", "test_e2e.py",
+                "test_decode_slots.py"]
 collect_ignore = [] if importlib.util.find_spec("vllm") else VLLM_MODULES
 # The penalties' tensor is a torch tensor: its tests need torch (the default
 # tox environment installs the CPU build; the other interpreters' may not).

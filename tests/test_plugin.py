@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 import torch
+from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.sample.ops import penalties
 from vllm.v1.worker.gpu_input_batch import InputBatch
 
@@ -20,19 +21,23 @@ from batches import vllm_0_21_method
 from fastbatch import vllm_plugin
 from fastbatch.patches import async_output_token_ids as patch
 from fastbatch.patches import async_spec_token_ids as spec_patch
+from fastbatch.patches import decode_slots as scheduler_patch
 from fastbatch.patches import penalty_output_tokens as penalty_patch
 
 pytestmark = pytest.mark.vllm
 STOCK_METHOD = InputBatch.update_async_output_token_ids
 STOCK_SPEC_METHOD = InputBatch.update_async_spec_token_ids
 STOCK_CONVERT = penalties._convert_to_tensors
-PATCHES = {"output": patch, "spec": spec_patch, "penalties": penalty_patch}
+STOCK_ALLOCATE = KVCacheManager.allocate_slots
+PATCHES = {"output": patch, "spec": spec_patch, "penalties": penalty_patch,
+           "scheduler": scheduler_patch}
 
 
 def _stock_everywhere():
     return (InputBatch.update_async_output_token_ids is STOCK_METHOD
             and InputBatch.update_async_spec_token_ids is STOCK_SPEC_METHOD
-            and penalties._convert_to_tensors is STOCK_CONVERT)
+            and penalties._convert_to_tensors is STOCK_CONVERT
+            and KVCacheManager.allocate_slots is STOCK_ALLOCATE)
 
 
 class _Records(logging.Handler):
@@ -94,32 +99,37 @@ def test_switch_on_installs_once(monkeypatch, logs, value):
     monkeypatch.setenv("FASTBATCH", value)
     vllm_plugin.register()
     installed = (InputBatch.update_async_output_token_ids,
-                 InputBatch.update_async_spec_token_ids, penalties._convert_to_tensors)
+                 InputBatch.update_async_spec_token_ids, penalties._convert_to_tensors,
+                 KVCacheManager.allocate_slots)
     assert installed == (patch.update_async_output_token_ids,
                          spec_patch.update_async_spec_token_ids,
-                         penalty_patch._convert_to_tensors)
-    assert (patch.original(), spec_patch.original(), penalty_patch.original()) == (
-        STOCK_METHOD, STOCK_SPEC_METHOD, STOCK_CONVERT)
+                         penalty_patch._convert_to_tensors, scheduler_patch.allocate_slots)
+    assert (patch.original(), spec_patch.original(), penalty_patch.original(),
+            scheduler_patch.original()) == (
+        STOCK_METHOD, STOCK_SPEC_METHOD, STOCK_CONVERT, STOCK_ALLOCATE)
     vllm_plugin.register()  # vLLM loads plugins more than once
     vllm_plugin.register()
     assert (InputBatch.update_async_output_token_ids,
-            InputBatch.update_async_spec_token_ids, penalties._convert_to_tensors) == installed
+            InputBatch.update_async_spec_token_ids, penalties._convert_to_tensors,
+            KVCacheManager.allocate_slots) == installed
     assert patch.original() is STOCK_METHOD
     infos = logs.at(logging.INFO)
-    assert len(infos) == 3
+    assert len(infos) == 4
     for info, module in zip(infos, PATCHES.values(), strict=True):
         for expected in (fastbatch.__version__, "vLLM 0.33.0", module.TARGET,
                          "compiled kernel"):
             assert expected in info
     status = vllm_plugin.status()
     assert status["installed"] is True
-    assert status["patches"] == {"output": True, "spec": True, "penalties": True}
+    assert status["patches"] == {"output": True, "spec": True, "penalties": True,
+                                 "scheduler": True}
 
 
 @pytest.mark.parametrize(("value", "stock"), [
     ("penalties", {"penalties"}), ("SPEC", {"spec"}), ("output,penalties", {"output",
                                                                            "penalties"}),
-    (" spec  output ", {"spec", "output"}), ("output,spec,penalties", set(PATCHES)),
+    (" spec  output ", {"spec", "output"}), ("scheduler", {"scheduler"}),
+    ("output,spec,penalties,Scheduler", set(PATCHES)),
 ])
 def test_disable_leaves_single_pieces_stock(monkeypatch, logs, value, stock):
     monkeypatch.setenv("FASTBATCH", "1")
@@ -129,6 +139,7 @@ def test_disable_leaves_single_pieces_stock(monkeypatch, logs, value, stock):
     assert (InputBatch.update_async_output_token_ids is STOCK_METHOD) == ("output" in stock)
     assert (InputBatch.update_async_spec_token_ids is STOCK_SPEC_METHOD) == ("spec" in stock)
     assert (penalties._convert_to_tensors is STOCK_CONVERT) == ("penalties" in stock)
+    assert (KVCacheManager.allocate_slots is STOCK_ALLOCATE) == ("scheduler" in stock)
     left_stock = [info for info in logs.at(logging.INFO) if "left stock" in info]
     assert len(left_stock) == len(stock)
     assert logs.at(logging.WARNING) == []
@@ -139,9 +150,9 @@ def test_disable_with_an_unknown_name_warns(monkeypatch, logs):
     monkeypatch.setenv("FASTBATCH_DISABLE", "penalty, spec")
     vllm_plugin.register()
     assert vllm_plugin.status()["patches"] == {"output": True, "spec": False,
-                                               "penalties": True}
+                                               "penalties": True, "scheduler": True}
     (warning,) = logs.at(logging.WARNING)
-    assert "'penalty'" in warning and "output, spec, penalties" in warning
+    assert "'penalty'" in warning and "output, spec, penalties, scheduler" in warning
 
 
 @pytest.mark.parametrize("value", ["2", "maybe", "enable"])
@@ -202,6 +213,7 @@ def test_guard_accepts_the_installed_vllm():
     assert patch.check_target(vllm.__version__, STOCK_METHOD) is None
     assert spec_patch.check_target(vllm.__version__, STOCK_SPEC_METHOD) is None
     assert penalty_patch.check_target(vllm.__version__, STOCK_CONVERT) is None
+    assert scheduler_patch.check_target(vllm.__version__, STOCK_ALLOCATE) is None
 
 
 def test_guard_refuses_a_changed_spec_method(monkeypatch, logs):
@@ -217,7 +229,7 @@ def test_guard_refuses_a_changed_spec_method(monkeypatch, logs):
     vllm_plugin.register()
     assert InputBatch.update_async_spec_token_ids is changed
     assert vllm_plugin.status()["patches"] == {"output": True, "spec": False,
-                                               "penalties": True}
+                                               "penalties": True, "scheduler": True}
     (warning,) = logs.at(logging.WARNING)
     assert spec_patch.TARGET in warning and "not a verified variant" in warning
 
@@ -252,7 +264,7 @@ def test_penalties_stay_stock_where_stock_cannot_pin(monkeypatch, logs):
     vllm_plugin.register()
     assert penalties._convert_to_tensors is STOCK_CONVERT
     assert vllm_plugin.status()["patches"] == {"output": True, "spec": True,
-                                               "penalties": False}
+                                               "penalties": False, "scheduler": True}
     (error,) = logs.at(logging.ERROR)
     assert "activation check failed" in error and penalty_patch.TARGET in error
 
@@ -308,7 +320,7 @@ def test_guard_refuses_an_unknown_version(monkeypatch, logs):
     vllm_plugin.register()
     assert _stock_everywhere()
     warnings = logs.at(logging.WARNING)
-    assert len(warnings) == 3
+    assert len(warnings) == len(PATCHES)
     assert all("vLLM 0.34.0 is not a verified version" in w for w in warnings)
 
 
@@ -328,7 +340,7 @@ def test_force_patches_an_unknown_version(monkeypatch, logs):
     vllm_plugin.register()
     assert InputBatch.update_async_output_token_ids is patch.update_async_output_token_ids
     assert vllm_plugin.status()["patches"] == dict.fromkeys(PATCHES, True)
-    assert sum("patching anyway" in w for w in logs.at(logging.WARNING)) == 3
+    assert sum("patching anyway" in w for w in logs.at(logging.WARNING)) == len(PATCHES)
 
 
 def test_force_still_needs_the_activation_check(monkeypatch, logs):

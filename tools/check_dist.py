@@ -20,7 +20,8 @@ def main(dist: Path) -> None:
                      "fastbatch/patches/_patch.py",
                      "fastbatch/patches/async_output_token_ids.py",
                      "fastbatch/patches/async_spec_token_ids.py",
-                     "fastbatch/patches/penalty_output_tokens.py"):
+                     "fastbatch/patches/penalty_output_tokens.py",
+                     "fastbatch/patches/decode_slots.py"):
         assert required in names, f"{required} missing from {wheel.name}"
     for piece in pieces:
         assert any(n.startswith(f"fastbatch/_kernels/{piece}.") and n.endswith(".so")

@@ -6,14 +6,16 @@ from fastbatch._counters import combined
 from fastbatch._reference import (
     async_output_token_ids,
     async_spec_token_ids,
+    decode_slots,
     penalty_output_tokens,
 )
 from fastbatch._reference.async_output_token_ids import update_async_output_token_ids
 from fastbatch._reference.async_spec_token_ids import update_async_spec_token_ids
+from fastbatch._reference.decode_slots import allocate_slots_is_noop
 from fastbatch._reference.penalty_output_tokens import output_tokens_tensor
 
 stats, reset_stats = combined(async_output_token_ids, async_spec_token_ids,
-                              penalty_output_tokens)
+                              decode_slots, penalty_output_tokens)
 
-__all__ = ["output_tokens_tensor", "reset_stats", "stats", "update_async_output_token_ids",
-           "update_async_spec_token_ids"]
+__all__ = ["allocate_slots_is_noop", "output_tokens_tensor", "reset_stats", "stats",
+           "update_async_output_token_ids", "update_async_spec_token_ids"]
