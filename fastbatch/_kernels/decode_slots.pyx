@@ -70,7 +70,7 @@ cdef bint _is_noop(object manager, object request, object num_new_tokens,
     pool = single.block_pool
     if pool is not manager.block_pool or reserved > pool.get_num_free_blocks():
         return False
-    cdef Py_ssize_t hash_block_size, to_cache, cacheable, num_hashed, num_full
+    cdef Py_ssize_t hash_block_size, to_cache, cacheable
     if single.enable_caching:
         hash_block_size = pool.hash_block_size
         if block_size != hash_block_size:
@@ -78,9 +78,8 @@ cdef bint _is_noop(object manager, object request, object num_new_tokens,
         if single.kv_cache_spec.prefix_cacheable:
             to_cache = min(total_computed + new_tokens, <Py_ssize_t>request.num_tokens)
             cacheable = max(0, to_cache - <Py_ssize_t>coordinator.num_reprefillable_tokens)
-            num_hashed = len(request.block_hashes) * hash_block_size
-            num_full = min(cacheable, num_hashed) // block_size
-            if <Py_ssize_t>single.num_cached_block.get(request_id, 0) < num_full:
+            # vLLM 0.32.0's count of full blocks; 0.33.0's is never larger.
+            if <Py_ssize_t>single.num_cached_block.get(request_id, 0) < cacheable // block_size:
                 return False
     return True
 

@@ -21,8 +21,10 @@ Why each condition (read off vLLM 0.33.0's code, pinned by the patch's guard):
   adds none), and ``reserved_blocks`` does not exceed the free blocks (else
   stock returns None);
 - with caching on, ``block_size == hash_block_size`` (no partial-tail
-  caching) and the blocks full of hashed, cacheable tokens are all cached
-  already (``cache_blocks`` returns early).
+  caching) and the full blocks of cacheable tokens are all cached already
+  (``cache_blocks`` returns early).  vLLM 0.32.0 counts every full block of
+  cacheable tokens, 0.33.0 only those whose hashes exist (never more): the
+  0.32.0 count is used for both, so a yes is right for either.
 """
 
 from __future__ import annotations
@@ -81,8 +83,7 @@ def _is_noop(manager: Any, request: Any, num_new_tokens: Any, reserved_blocks: A
         if single.kv_cache_spec.prefix_cacheable:
             to_cache = min(total_computed + num_new_tokens, request.num_tokens)
             cacheable = max(0, to_cache - coordinator.num_reprefillable_tokens)
-            num_hashed = len(request.block_hashes) * hash_block_size
-            num_full = min(cacheable, num_hashed) // block_size
+            num_full = cacheable // block_size
             if single.num_cached_block.get(request_id, 0) < num_full:
                 return False
     return True

