@@ -66,6 +66,10 @@ class Workload:
     max_prompt: int = 100
     max_output: int = 80
     eos_probability: float = 0.02
+    # The scheduler's Model Runner V2 branches (how outputs are packaged, resumed
+    # requests sent as new, PP decode stagger): set on the scheduler after it is
+    # built, since the CPU platform (no Triton) picks V1.
+    model_runner_v2: bool = False
 
 
 WORKLOADS = (
@@ -87,6 +91,10 @@ WORKLOADS = (
              long_prefill_token_threshold=24, max_prompt=200, arrival_probability=0.8),
     Workload("arrivals-every-step", block_size=8, arrival_probability=1.0, max_arrivals=2,
              max_output=24, max_num_seqs=32, num_blocks=400),
+    Workload("mixed-async-mrv2", async_scheduling=True, abort_probability=0.05,
+             model_runner_v2=True),
+    Workload("preemption-async-mrv2", async_scheduling=True, num_blocks=28, max_num_seqs=12,
+             arrival_probability=0.7, max_prompt=40, max_output=160, model_runner_v2=True),
 )
 
 
@@ -164,9 +172,14 @@ def make_scheduler(workload: Workload) -> Any:
             dtype=torch.float32))])
     cache_config.num_gpu_blocks = workload.num_blocks
     cls = AsyncScheduler if workload.async_scheduling else Scheduler
-    return cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=False,
-               structured_output_manager=StructuredOutputManager(vllm_config),
-               block_size=workload.block_size)
+    scheduler = cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                    log_stats=False,
+                    structured_output_manager=StructuredOutputManager(vllm_config),
+                    block_size=workload.block_size)
+    if workload.model_runner_v2:
+        # Read nowhere else at run time (``can_skip_drafts`` needs lookahead tokens).
+        scheduler.use_v2_model_runner = True
+    return scheduler
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,8 +7,9 @@ and compares scheduler outputs, engine-core outputs, the whole KV-cache state
 and every request after every step, over workloads that leave the fast path
 (prefix caching on and off, async and sync scheduling, EOS, stop tokens,
 min_tokens, max_tokens, aborts, preemption, chunked prefill, block
-boundaries, arrivals every step).  ``FASTBATCH_LOCKSTEP_STEPS`` sets the
-total number of steps (default 2,000; the report runs >= 10,000).
+boundaries, arrivals every step, the scheduler's Model Runner V2 branches).
+``FASTBATCH_LOCKSTEP_STEPS`` sets the total number of steps (default 2,000;
+the report runs >= 10,000).
 
 Also: the harness reports a planted one-token difference; compiled vs twin
 on generated stand-ins (hypothesis); the guard, the activation check, bad

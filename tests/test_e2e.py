@@ -37,7 +37,7 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
-PATCH_NAMES = ("output", "spec", "penalties")  # FASTBATCH_DISABLE names
+PATCH_NAMES = ("output", "spec", "penalties", "scheduler")  # FASTBATCH_DISABLE names
 WORKLOADS = {
     "mixed": [],
     "long": ["--settings", "penalties", "--num-prompts", "32", "--max-tokens", "448",
@@ -114,6 +114,8 @@ def test_fastbatch_gives_stock_tokens_and_really_ran(generate):
     assert stats["requests_updated"] > 100
     assert stats["tokens_written"] == stats["requests_updated"]  # no spec decode
     assert stats["syncs"] > 0
+    # The scheduler (same process here) answered decode allocations itself.
+    assert stats["scheduler_noop_allocations"] > 100
 
     # The output history mattered: penalties changed outputs, bad words held.
     changed = [label for label, ids, plain in zip(
