@@ -167,7 +167,7 @@ def test_compiled_matches_twin(num_blocks, num_computed, num_new, max_model_len,
 
 @pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
 def test_bad_input(implementation):
-    manager, request = _stand_in(1, 3, 1, 64, 4, 4, 0, 0, 4, 0, 3, True, True, True, True,
+    manager, request = _stand_in(1, 3, 1, 64, 4, 4, 1, 1, 4, 0, 3, True, True, True, True,
                                  False)
     assert implementation.allocate_slots_is_noop(manager, request, 1, 0, KINDS) is True
     with pytest.raises(ValueError, match="kinds must have 4 items"):
@@ -181,7 +181,7 @@ def test_bad_input(implementation):
 
 
 def test_no_leaks():
-    manager, request = _stand_in(1, 3, 1, 64, 4, 4, 0, 0, 4, 0, 3, True, True, True, True,
+    manager, request = _stand_in(1, 3, 1, 64, 4, 4, 1, 1, 4, 0, 3, True, True, True, True,
                                  False)
     for _ in range(100):
         _kernels.allocate_slots_is_noop(manager, request, 1, 0, KINDS)
