@@ -175,7 +175,8 @@ def test_disable_penalties_leaves_that_piece_stock(generate):
     (worker,) = partial["workers"]
     assert worker["async_scheduling"] is True
     assert worker["installed"] is True
-    assert worker["patches"] == {"output": True, "spec": True, "penalties": False}
+    assert worker["patches"] == {"output": True, "spec": True, "penalties": False,
+                                 "scheduler": True}
     assert worker["stats"]["penalty_tensors"] == worker["stats"]["penalty_tokens"] == 0
     assert worker["stats"]["requests_updated"] > 1000  # the output patch still ran
     assert partial["token_ids"] == stock["token_ids"]
