@@ -23,6 +23,9 @@
   num_reqs, num_spec_tokens)``: a step's rows of ids as plain lists, as
   ``AsyncGPUModelRunnerOutput.get_output``, ``RejectionSampler.parse_output``
   and ``GPUModelRunner._get_draft_token_ids_cpu`` build them.
+* ``allocate_slots_is_noop(manager, request, num_new_tokens, reserved_blocks,
+  kinds)``: whether vLLM's ``KVCacheManager.allocate_slots`` would change
+  nothing and return the empty blocks (a plain decode step of the scheduler).
 
 Each is a compiled piece (``fastbatch._kernels``, one module per piece) with a
 pure-Python twin (``fastbatch._reference``).  ``COMPILED`` says whether the
@@ -36,6 +39,7 @@ __version__ = "0.1.0"
 
 try:
     from fastbatch._kernels import (
+        allocate_slots_is_noop,
         append_sampled_token_ids,
         compute_prev_positions,
         draft_token_lists,
@@ -56,6 +60,7 @@ except ImportError as exc:  # no compiled module for this platform/interpreter
         stacklevel=2,
     )
     from fastbatch._reference import (
+        allocate_slots_is_noop,
         append_sampled_token_ids,
         compute_prev_positions,
         draft_token_lists,
@@ -76,6 +81,7 @@ else:
 __all__ = [
     "COMPILED",
     "__version__",
+    "allocate_slots_is_noop",
     "append_sampled_token_ids",
     "compute_prev_positions",
     "draft_token_lists",

@@ -25,6 +25,7 @@ pieces stock while the others are on:
   ``get_output``    ``AsyncGPUModelRunnerOutput.get_output``
   ``parse_output``  ``RejectionSampler.parse_output``
   ``drafts``        ``GPUModelRunner._get_draft_token_ids_cpu``
+  ``scheduler``  ``KVCacheManager.allocate_slots`` (the scheduler's decode fast path)
 Unknown names are reported in a warning and ignored.
 
 ``FASTBATCH_VERIFY`` checks fastbatch against vLLM's own code at run time:
@@ -75,6 +76,7 @@ PATCHES = {
     "get_output": "fastbatch.patches.sampled_lists",
     "parse_output": "fastbatch.patches.rejection_lists",
     "drafts": "fastbatch.patches.draft_lists",
+    "scheduler": "fastbatch.patches.decode_slots",
 }
 _ON = {"1", "true", "yes", "on"}
 _OFF = {"", "0", "false", "no", "off"}

@@ -213,6 +213,8 @@ def test_fastbatch_gives_stock_tokens_and_really_ran(generate):
     assert stats["get_output_calls"] > 50
     assert stats["get_output_rows"] > 100
     assert stats["parse_output_calls"] == stats["draft_lists_calls"] == 0  # no spec
+    # The scheduler (same process here) answered decode allocations itself.
+    assert stats["scheduler_noop_allocations"] > 100
 
     # The output history mattered: penalties changed outputs, bad words held.
     changed = [label for label, ids, plain in zip(

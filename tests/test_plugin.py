@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 import torch
+from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.sample import rejection_sampler, sampler
 from vllm.v1.sample.ops import penalties
 from vllm.v1.worker.gpu_input_batch import InputBatch
@@ -24,6 +25,7 @@ from fastbatch import vllm_plugin
 from fastbatch.patches import async_output_token_ids as patch
 from fastbatch.patches import async_spec_token_ids as spec_patch
 from fastbatch.patches import bookkeeping_sync as bookkeeping_patch
+from fastbatch.patches import decode_slots as scheduler_patch
 from fastbatch.patches import penalty_output_tokens as penalty_patch
 from fastbatch.patches import prepare_input_ids as input_ids_patch
 from fastbatch.patches import prev_positions as prev_positions_patch
@@ -41,6 +43,7 @@ PATCHES = {name: importlib.import_module(module)
            for name, module in vllm_plugin.PATCHES.items()}
 STOCK = {name: _lookup(module.PATCH.module, module.PATCH.qualname)[2]
          for name, module in PATCHES.items()}
+STOCK_ALLOCATE = KVCacheManager.allocate_slots
 STOCK_APPLY_ALL = penalties.apply_all_penalties
 BINDINGS = (sampler, rejection_sampler, penalties)  # where apply_all_penalties is called from
 
@@ -158,6 +161,7 @@ def test_switch_on_installs_once(monkeypatch, logs, value):
     (" spec  output ", {"spec", "output"}), ("bookkeeping", {"bookkeeping"}),
     (",".join(PATCHES), set(PATCHES)),
     ("prev_positions INPUT_IDS", {"prev_positions", "input_ids"}),
+    ("scheduler", {"scheduler"}),
 ])
 def test_disable_leaves_single_pieces_stock(monkeypatch, logs, value, stock):
     monkeypatch.setenv("FASTBATCH", "1")
@@ -172,6 +176,7 @@ def test_disable_leaves_single_pieces_stock(monkeypatch, logs, value, stock):
         "prev_positions" in stock)
     assert (GPUModelRunner._prepare_input_ids is STOCK_INPUT_IDS) == ("input_ids" in stock)
     assert bool(_masking_skipped_at()) == ("penalties" not in stock)
+    assert (KVCacheManager.allocate_slots is STOCK_ALLOCATE) == ("scheduler" in stock)
     left_stock = [info for info in logs.at(logging.INFO) if "left stock" in info]
     assert len(left_stock) == len(stock)
     assert logs.at(logging.WARNING) == []
@@ -247,6 +252,7 @@ def test_guard_accepts_the_installed_vllm():
     assert patch.check_target(vllm.__version__, STOCK_METHOD) is None
     assert spec_patch.check_target(vllm.__version__, STOCK_SPEC_METHOD) is None
     assert penalty_patch.check_target(vllm.__version__, STOCK_CONVERT) is None
+    assert scheduler_patch.check_target(vllm.__version__, STOCK_ALLOCATE) is None
 
 
 def test_guard_refuses_a_changed_spec_method(monkeypatch, logs):

@@ -7,6 +7,7 @@ from fastbatch._kernels import (
     async_output_token_ids,
     async_spec_token_ids,
     bookkeeping_sync,
+    decode_slots,
     draft_lists,
     penalty_output_tokens,
     prepare_input_ids,
@@ -17,6 +18,7 @@ from fastbatch._kernels import (
 from fastbatch._kernels.async_output_token_ids import update_async_output_token_ids
 from fastbatch._kernels.async_spec_token_ids import update_async_spec_token_ids
 from fastbatch._kernels.bookkeeping_sync import append_sampled_token_ids
+from fastbatch._kernels.decode_slots import allocate_slots_is_noop
 from fastbatch._kernels.draft_lists import draft_token_lists
 from fastbatch._kernels.penalty_output_tokens import output_tokens_tensor
 from fastbatch._kernels.prepare_input_ids import prepare_input_ids_indices
@@ -29,6 +31,7 @@ PIECES = (
     async_output_token_ids,
     async_spec_token_ids,
     bookkeeping_sync,
+    decode_slots,
     draft_lists,
     penalty_output_tokens,
     prepare_input_ids,
@@ -39,6 +42,7 @@ PIECES = (
 stats, reset_stats = combined(*PIECES)
 
 __all__ = [
+    "allocate_slots_is_noop",
     "append_sampled_token_ids",
     "compute_prev_positions",
     "draft_token_lists",
