@@ -187,7 +187,8 @@ def _pieces_in(runner_kind: str, async_scheduling: Any) -> tuple[list[str], list
         patch = importlib.import_module(module).PATCH
         if not patch.is_applied():
             continue
-        if runner_kind == "v1" and (async_scheduling or not patch.needs_async_scheduling):
+        acts_in_v1 = async_scheduling or not patch.needs_async_scheduling
+        if patch.acts_under_v2 if runner_kind == "v2" else runner_kind == "v1" and acts_in_v1:
             acting.append(name)
         else:
             idle.append(name)
@@ -202,9 +203,13 @@ def runner_report(worker: Any) -> tuple[int, str]:
     runner = getattr(worker, "model_runner", None)
     name = type(runner).__name__ if runner is not None else "not built yet"
     if kind == "v2":
-        return logging.WARNING, (
-            f"fastbatch: Model Runner V2 in use ({name}): fastbatch's pieces serve the V1 "
-            "runner and stay idle here; VLLM_USE_V2_MODEL_RUNNER=0 selects V1")
+        acting, _ = _pieces_in(kind, None)
+        line = (f"fastbatch: Model Runner V2 in use ({name}): fastbatch's runner pieces "
+                "serve the V1 runner and stay idle here; VLLM_USE_V2_MODEL_RUNNER=0 selects V1")
+        if acting:
+            line += (f"; {', '.join(acting)} still acts (vLLM's scheduler is the same "
+                     "under both runners)")
+        return logging.WARNING, line
     if kind == "unknown":
         return logging.WARNING, (
             f"fastbatch: this worker's model runner ({name}) is neither vLLM's V1 runner "

@@ -116,7 +116,7 @@ def test_runner_follows_vllm_selection(config_module, monkeypatch, logs, triton,
     if expected == "v2":
         assert level == logging.WARNING
         assert line == ("fastbatch: Model Runner V2 in use (not built yet): fastbatch's "
-                        "pieces serve the V1 runner and stay idle here; "
+                        "runner pieces serve the V1 runner and stay idle here; "
                         "VLLM_USE_V2_MODEL_RUNNER=0 selects V1")
     else:
         assert "V1 model runner in use" in line
@@ -156,8 +156,10 @@ def stock(monkeypatch):
 
 @pytest.mark.vllm
 @pytest.mark.parametrize(("use_v2", "kind", "expected"), [
-    (True, "v2", "fastbatch: Model Runner V2 in use (SimpleNamespace): fastbatch's pieces "
-                 "serve the V1 runner and stay idle here"),
+    (True, "v2", "fastbatch: Model Runner V2 in use (SimpleNamespace): fastbatch's runner "
+                 "pieces serve the V1 runner and stay idle here; "
+                 "VLLM_USE_V2_MODEL_RUNNER=0 selects V1; scheduler still acts (vLLM's "
+                 "scheduler is the same under both runners)"),
     (False, "unknown", "fastbatch: this worker's model runner (SimpleNamespace) is neither "
                        "vLLM's V1 runner nor Model Runner V2"),
 ])

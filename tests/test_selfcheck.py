@@ -83,9 +83,19 @@ def test_on_vllm_0_33_every_piece_would_act():
 
 
 @pytest.mark.vllm
+def test_on_model_runner_v2_only_the_scheduler_piece_would_act():
+    result = _self_check("-m", "fastbatch", VLLM_TARGET_DEVICE="cpu",
+                         VLLM_USE_V2_MODEL_RUNNER="1", FASTBATCH="1")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert "runner pieces would stay idle" in result.stdout
+    assert result.stdout.splitlines()[-1] == (
+        "verdict: with FASTBATCH=1 these pieces would act: scheduler")
+
+
+@pytest.mark.vllm
 def test_on_model_runner_v2_nothing_would_act():
     result = _self_check("-m", "fastbatch", VLLM_TARGET_DEVICE="cpu",
-                         VLLM_USE_V2_MODEL_RUNNER="1", FASTBATCH_DISABLE="spec",
+                         VLLM_USE_V2_MODEL_RUNNER="1", FASTBATCH_DISABLE="spec,scheduler",
                          FASTBATCH_VERIFY="often")
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     out = result.stdout

@@ -107,7 +107,8 @@ class Patch:
     verified fingerprints.  ``shadow`` tells ``FASTBATCH_VERIFY`` how to check
     a call (a piece without one stays stock while verification is on).
     ``needs_async_scheduling``: the piece has work only under async
-    scheduling (the worker's runner report says so).
+    scheduling (the worker's runner report says so).  ``acts_under_v2``: the
+    piece replaces code that Model Runner V2 uses too (the scheduler's).
     """
 
     def __init__(self, *, module: str, qualname: str, replacement: Callable[..., Any],
@@ -115,7 +116,7 @@ class Patch:
                  activation_check: Callable[[Any, Any], str | None],
                  companions: Mapping[str, Mapping[str, str]] | None = None,
                  shadow: Shadow | None = None,
-                 needs_async_scheduling: bool = False) -> None:
+                 needs_async_scheduling: bool = False, acts_under_v2: bool = False) -> None:
         self.module, self.qualname = module, qualname
         self.target = f"{module}.{qualname}"
         self.name = qualname.rsplit(".", 1)[-1]  # apply(name=...) sets the short name
@@ -126,6 +127,7 @@ class Patch:
         self.companions = companions or {}
         self.shadow = shadow
         self.needs_async_scheduling = needs_async_scheduling
+        self.acts_under_v2 = acts_under_v2
         self._original: Any = None
         self._stored: Any = None  # the attribute as stored (a staticmethod, say)
         self._reset_verification()

@@ -252,6 +252,8 @@ PATCH = Patch(
     versions=VERIFIED_VERSIONS,
     fingerprints=VERIFIED_FINGERPRINTS,
     activation_check=activation_check,
+    # The scheduler is the same code whichever model runner the workers use.
+    acts_under_v2=True,
     companions=COMPANION_FINGERPRINTS,
 )
 TARGET = PATCH.target
