@@ -5,6 +5,7 @@ total), ``quick`` for fast local runs, ``asan`` for the sanitizer build.
 """
 
 import importlib.util
+import logging
 import os
 import warnings
 
@@ -53,3 +54,28 @@ def implementation(request):
         assert fastbatch.COMPILED, "the compiled kernel is not importable"
         return fastbatch._kernels
     return _reference
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def at(self, level):
+        return [r.getMessage() for r in self.records if r.levelno == level]
+
+
+@pytest.fixture
+def logs():
+    """Records of the 'vllm.fastbatch' logger (vLLM's 'vllm' logger does not
+    propagate to the root logger, so caplog would not see them)."""
+    logger = logging.getLogger("vllm.fastbatch")
+    handler, level = _Records(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(level)

@@ -65,30 +65,6 @@ def _masking_skipped_at():
             if binding.apply_all_penalties is penalty_patch.apply_all_penalties}
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-    def at(self, level):
-        return [r.getMessage() for r in self.records if r.levelno == level]
-
-
-@pytest.fixture
-def logs():
-    """Records of the 'vllm.fastbatch' logger (vLLM's 'vllm' logger does not
-    propagate to the root logger, so caplog would not see them)."""
-    logger = logging.getLogger("vllm.fastbatch")
-    handler, level = _Records(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    yield handler
-    logger.removeHandler(handler)
-    logger.setLevel(level)
-
 
 @pytest.fixture(autouse=True)
 def stock_vllm(monkeypatch):

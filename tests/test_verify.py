@@ -63,28 +63,6 @@ def tensor_kernel_wrong_for_long_rows(rows, vocab_size, pin_memory=False):
     return tokens
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-    def at(self, level):
-        return [r.getMessage() for r in self.records if r.levelno == level]
-
-
-@pytest.fixture
-def logs():
-    logger = logging.getLogger("vllm.fastbatch")
-    handler, level = _Records(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    yield handler
-    logger.removeHandler(handler)
-    logger.setLevel(level)
-
 
 @pytest.fixture
 def verify(monkeypatch, tmp_path):

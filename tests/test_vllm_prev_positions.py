@@ -89,28 +89,6 @@ def test_a_bad_value_raises_as_stock_does_but_writes_nothing():
 
 # --- the plugin ----------------------------------------------------------------
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record)
-
-    def at(self, level):
-        return [r.getMessage() for r in self.records if r.levelno == level]
-
-
-@pytest.fixture
-def logs():
-    logger = logging.getLogger("vllm.fastbatch")
-    handler, level = _Records(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    yield handler
-    logger.removeHandler(handler)
-    logger.setLevel(level)
-
 
 @pytest.fixture(autouse=True)
 def stock_vllm():
