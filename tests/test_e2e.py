@@ -54,6 +54,7 @@ from pathlib import Path
 import pytest
 
 from fastbatch import vllm_plugin
+from subprocesses import OUTSIDE_THE_CHECKOUT
 
 pytestmark = pytest.mark.e2e
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
@@ -152,13 +153,18 @@ def generate(tiny_model, tmp_path_factory):
 def _run_in_own_process_group(command: list[str], env: dict[str, str]) -> tuple[int, str]:
     """Run the command in a new process group; return its exit status and output.
 
+    It runs outside the checkout: Ray puts the driver's working directory on
+    its workers' ``sys.path``, where the checkout's unbuilt fastbatch would
+    shadow the installed wheel.
+
     What is left of the group afterwards is killed: vLLM's worker processes,
     and Ray's GCS, raylet, agents and workers, which stay in the group of the
     process that started them, are gone when the run is over, even after a
     timeout or a crash.
     """
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                               cwd=OUTSIDE_THE_CHECKOUT)
     try:
         output, _ = process.communicate(timeout=600)
     finally:
@@ -181,6 +187,12 @@ def test_fastbatch_gives_stock_tokens_and_really_ran(generate):
     assert len(fastbatch_lines(ours, "model runner in use")) == 1
     assert fastbatch_lines(stock, "model runner in use") == []  # FASTBATCH off: silent
     assert our_worker["verify"]["rate"] == 0.0  # every piece on, unchecked
+    # apply_all_penalties runs no masking after fastbatch's conversion, whoever
+    # calls it.
+    assert our_worker["penalty_masking_skipped"] == [
+        "vllm.v1.sample.ops.penalties", "vllm.v1.sample.rejection_sampler",
+        "vllm.v1.sample.sampler"]
+    assert stock_worker["penalty_masking_skipped"] == []
     assert stock_worker["async_scheduling"] is True  # the async path really ran
     assert stock_sync["workers"][0]["async_scheduling"] is False
     assert stock_worker["installed"] is False
@@ -255,10 +267,9 @@ def test_penalties_kernel_at_long_outputs(generate):
     assert fastbatch_lines(ours, "model runner in use")[0].endswith(V1_SHADOWED_ACT)
     assert stock_worker["async_scheduling"] is our_worker["async_scheduling"] is True
     assert stock_worker["patches"] == dict.fromkeys(PATCH_NAMES, False)
-    # ...and apply_all_penalties ran no masking after it, whoever called it.
-    assert our_worker["penalty_masking_skipped"] == [
-        "vllm.v1.sample.ops.penalties", "vllm.v1.sample.rejection_sampler",
-        "vllm.v1.sample.sampler"]
+    # Every call checked: apply_all_penalties keeps vLLM's masking (the checked
+    # conversion may return vLLM's tensor).
+    assert our_worker["penalty_masking_skipped"] == []
     assert stock_worker["penalty_masking_skipped"] == []
     assert our_worker["compiled"] is True
 

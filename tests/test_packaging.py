@@ -11,6 +11,7 @@ import pytest
 
 import fastbatch
 import fastbatch._kernels
+from subprocesses import OUTSIDE_THE_CHECKOUT
 
 # Each compiled piece, by module (named like its patch), and its public function.
 PIECES = {
@@ -84,6 +85,6 @@ def test_fallback_warns_once_and_works():
         print("fallback ok")
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            check=False, cwd=os.path.dirname(os.__file__))
+                            check=False, cwd=OUTSIDE_THE_CHECKOUT)
     assert result.returncode == 0, result.stderr
     assert "fallback ok" in result.stdout

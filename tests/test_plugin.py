@@ -30,6 +30,7 @@ from fastbatch.patches import penalty_output_tokens as penalty_patch
 from fastbatch.patches import prepare_input_ids as input_ids_patch
 from fastbatch.patches import prev_positions as prev_positions_patch
 from fastbatch.patches._patch import _lookup
+from subprocesses import OUTSIDE_THE_CHECKOUT
 
 pytestmark = pytest.mark.vllm
 STOCK_METHOD = InputBatch.update_async_output_token_ids
@@ -188,7 +189,7 @@ def test_switch_off_imports_nothing_of_vllm():
         print("untouched")
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            check=False)
+                            check=False, cwd=OUTSIDE_THE_CHECKOUT)
     assert result.returncode == 0, result.stderr
     assert "untouched" in result.stdout
 
@@ -217,7 +218,8 @@ def test_plugin_loaded_by_vllm_itself(monkeypatch):
         print("patched by vLLM's loader")
     """)
     result = subprocess.run([sys.executable, "-W", "ignore", "-c", script],
-                            capture_output=True, text=True, check=False)
+                            capture_output=True, text=True, check=False,
+                            cwd=OUTSIDE_THE_CHECKOUT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "patched by vLLM's loader" in result.stdout
 

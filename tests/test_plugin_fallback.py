@@ -18,6 +18,7 @@ from fastbatch import vllm_plugin
 from fastbatch.patches import async_output_token_ids as patch
 from fastbatch.patches import async_spec_token_ids as spec_patch
 from fastbatch.patches import penalty_output_tokens as penalty_patch
+from subprocesses import OUTSIDE_THE_CHECKOUT
 
 pytestmark = pytest.mark.vllm
 PATCHES = (patch, spec_patch, penalty_patch)
@@ -108,7 +109,8 @@ def test_no_compiled_kernel_for_real_in_a_vllm_process():
         print(messages[0])
     """)
     result = subprocess.run([sys.executable, "-W", "ignore", "-c", script],
-                            capture_output=True, text=True, check=False)
+                            capture_output=True, text=True, check=False,
+                            cwd=OUTSIDE_THE_CHECKOUT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "leaving vLLM stock" in result.stdout
     assert "do not load in this interpreter" in result.stdout  # the build is there

@@ -14,6 +14,7 @@ import pytest
 
 import fastbatch
 from fastbatch import vllm_plugin
+from subprocesses import OUTSIDE_THE_CHECKOUT
 
 # Makes vLLM unimportable, then runs the self-check as ``python -m`` does.
 WITHOUT_VLLM = textwrap.dedent("""
@@ -42,7 +43,8 @@ def _self_check(*args, **env):
                    if not key.startswith(("FASTBATCH", "VLLM_USE_V2"))}
     environment.update(env)
     return subprocess.run([sys.executable, "-W", "ignore", *args], capture_output=True,
-                          text=True, env=environment, timeout=300, check=False)
+                          text=True, env=environment, timeout=300, check=False,
+                          cwd=OUTSIDE_THE_CHECKOUT)
 
 
 def test_without_vllm_nothing_would_act():
