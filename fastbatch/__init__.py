@@ -26,6 +26,10 @@
 * ``allocate_slots_is_noop(manager, request, num_new_tokens, reserved_blocks,
   kinds)``: whether vLLM's ``KVCacheManager.allocate_slots`` would change
   nothing and return the empty blocks (a plain decode step of the scheduler).
+* ``take_decode_outputs(scheduler, scheduler_output, model_runner_output,
+  kinds, variant)`` and ``merge_decode_outputs(slots, stock_outputs)``: the
+  plain decodes of vLLM's ``Scheduler.update_from_output`` in one call, and
+  their outputs merged with vLLM's for the other requests.
 
 Each is a compiled piece (``fastbatch._kernels``, one module per piece) with a
 pure-Python twin (``fastbatch._reference``).  ``COMPILED`` says whether the
@@ -43,12 +47,14 @@ try:
         append_sampled_token_ids,
         compute_prev_positions,
         draft_token_lists,
+        merge_decode_outputs,
         output_tokens_tensor,
         prepare_input_ids_indices,
         rejection_output_lists,
         reset_stats,
         sampled_token_lists,
         stats,
+        take_decode_outputs,
         update_async_output_token_ids,
         update_async_spec_token_ids,
     )
@@ -64,12 +70,14 @@ except ImportError as exc:  # no compiled module for this platform/interpreter
         append_sampled_token_ids,
         compute_prev_positions,
         draft_token_lists,
+        merge_decode_outputs,
         output_tokens_tensor,
         prepare_input_ids_indices,
         rejection_output_lists,
         reset_stats,
         sampled_token_lists,
         stats,
+        take_decode_outputs,
         update_async_output_token_ids,
         update_async_spec_token_ids,
     )
@@ -85,12 +93,14 @@ __all__ = [
     "append_sampled_token_ids",
     "compute_prev_positions",
     "draft_token_lists",
+    "merge_decode_outputs",
     "output_tokens_tensor",
     "prepare_input_ids_indices",
     "rejection_output_lists",
     "reset_stats",
     "sampled_token_lists",
     "stats",
+    "take_decode_outputs",
     "update_async_output_token_ids",
     "update_async_spec_token_ids",
 ]

@@ -26,6 +26,7 @@ pieces stock while the others are on:
   ``parse_output``  ``RejectionSampler.parse_output``
   ``drafts``        ``GPUModelRunner._get_draft_token_ids_cpu``
   ``scheduler``  ``KVCacheManager.allocate_slots`` (the scheduler's decode fast path)
+  ``scheduler_outputs``  the plain decodes of ``Scheduler.update_from_output``
 Unknown names are reported in a warning and ignored.
 
 ``FASTBATCH_VERIFY`` checks fastbatch against vLLM's own code at run time:
@@ -77,6 +78,7 @@ PATCHES = {
     "parse_output": "fastbatch.patches.rejection_lists",
     "drafts": "fastbatch.patches.draft_lists",
     "scheduler": "fastbatch.patches.decode_slots",
+    "scheduler_outputs": "fastbatch.patches.decode_outputs",
 }
 _ON = {"1", "true", "yes", "on"}
 _OFF = {"", "0", "false", "no", "off"}

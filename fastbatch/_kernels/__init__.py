@@ -7,6 +7,7 @@ from fastbatch._kernels import (
     async_output_token_ids,
     async_spec_token_ids,
     bookkeeping_sync,
+    decode_outputs,
     decode_slots,
     draft_lists,
     penalty_output_tokens,
@@ -18,6 +19,7 @@ from fastbatch._kernels import (
 from fastbatch._kernels.async_output_token_ids import update_async_output_token_ids
 from fastbatch._kernels.async_spec_token_ids import update_async_spec_token_ids
 from fastbatch._kernels.bookkeeping_sync import append_sampled_token_ids
+from fastbatch._kernels.decode_outputs import merge_decode_outputs, take_decode_outputs
 from fastbatch._kernels.decode_slots import allocate_slots_is_noop
 from fastbatch._kernels.draft_lists import draft_token_lists
 from fastbatch._kernels.penalty_output_tokens import output_tokens_tensor
@@ -31,6 +33,7 @@ PIECES = (
     async_output_token_ids,
     async_spec_token_ids,
     bookkeeping_sync,
+    decode_outputs,
     decode_slots,
     draft_lists,
     penalty_output_tokens,
@@ -46,12 +49,14 @@ __all__ = [
     "append_sampled_token_ids",
     "compute_prev_positions",
     "draft_token_lists",
+    "merge_decode_outputs",
     "output_tokens_tensor",
     "prepare_input_ids_indices",
     "rejection_output_lists",
     "reset_stats",
     "sampled_token_lists",
     "stats",
+    "take_decode_outputs",
     "update_async_output_token_ids",
     "update_async_spec_token_ids",
 ]

@@ -1,0 +1,366 @@
+# Compiler directives are set in setup.py (one place, with a debug switch).
+"""Compiled piece ``scheduler_outputs``: the plain decodes of vLLM's
+``Scheduler.update_from_output``, taken in one call.
+
+The same decisions and effects as ``fastbatch._reference.decode_outputs``
+(see its module note for why each condition): a first pass only reads and
+classifies every scheduled request; a second pass applies, to the requests
+taken, exactly what vLLM's loop would (in-flight count, the token appended
+to both token lists, the placeholder resolved) and builds their
+``EngineCoreOutput``.  Nothing is changed unless the whole step has been
+read and found consistent.
+"""
+
+from cpython.list cimport PyList_Append, PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.object cimport PyObject
+from libc.stdint cimport uint64_t
+
+cdef extern from "Python.h":
+    bint PyDict_Next(object p, Py_ssize_t* pos, PyObject** key, PyObject** value)
+    int PySequence_Contains(object o, object value) except -1
+
+cdef uint64_t _taken = 0
+cdef uint64_t _left = 0
+
+# Variants of the per-request effects (``fastbatch.patches.decode_outputs``
+# picks one from the fingerprints of the vLLM in use).
+cdef enum:
+    # vLLM 0.33: the base ``_update_request_with_output`` resolves a placeholder;
+    # ``update_from_output`` caches blocks when the request had placeholders
+    # (or spec decoding is configured).
+    PLACEHOLDERS_IN_BASE = 0
+    # vLLM 0.32 ``AsyncScheduler``: its override resolves the placeholder and
+    # caches up to ``num_computed_tokens - num_output_placeholders``.
+    ASYNC_OVERRIDE = 1
+    # vLLM 0.32 ``Scheduler`` (sync): no placeholder, no caching here.
+    NO_PLACEHOLDERS = 2
+
+
+def stats():
+    """This piece's counters since import or the last ``reset_stats()``."""
+    return {"scheduler_fast_outputs": _taken, "scheduler_stock_outputs": _left}
+
+
+def reset_stats():
+    """Set every counter of ``stats()`` back to zero."""
+    global _taken, _left
+    _taken = _left = 0
+
+
+cdef struct Taken:
+    Py_ssize_t in_flight       # num_in_flight_tokens after the step
+    Py_ssize_t placeholders    # num_output_placeholders after, or -1: unchanged
+    PyObject* token            # borrowed from the sampled list (kept alive by it)
+
+
+cdef inline bint _int_value(object value, Py_ssize_t* out) except -1:
+    """``value`` as a C integer if it is exactly an int that fits, else False."""
+    if type(value) is not int:
+        return False
+    try:
+        out[0] = value
+    except OverflowError:
+        return False
+    return True
+
+
+cdef class _Cache:
+    """The KV-cache manager of one step, read once: is ``cache_blocks`` a no-op?"""
+    cdef bint caching      # any group caches at all
+    cdef dict num_cached   # the single full-attention group's num_cached_block
+    cdef Py_ssize_t block_size, reprefillable
+
+    cdef bint read(self, object manager, tuple kinds) except -1:
+        manager_type, coordinator_types, single_type = kinds[2], kinds[3], kinds[4]
+        if type(manager) is not manager_type:
+            return False
+        if not manager.enable_caching:
+            self.caching = False
+            return True
+        coordinator = manager.coordinator
+        if type(coordinator) not in coordinator_types:
+            return False
+        singles = coordinator.single_type_managers
+        if type(singles) is not tuple or len(<tuple>singles) != 1:
+            return False
+        single = (<tuple>singles)[0]
+        if type(single) is not single_type:
+            return False
+        self.caching = bool(single.enable_caching) and bool(single.kv_cache_spec.prefix_cacheable)
+        if not self.caching:
+            return True
+        num_cached = single.num_cached_block
+        if not isinstance(num_cached, dict):
+            return False
+        self.num_cached = <dict>num_cached
+        if not _int_value(single.block_size, &self.block_size) or self.block_size <= 0:
+            return False
+        if not _int_value(coordinator.num_reprefillable_tokens, &self.reprefillable):
+            return False
+        return True
+
+    cdef bint is_noop(self, object request_id, Py_ssize_t num_tokens) except -1:
+        """``manager.cache_blocks(request, num_tokens)`` changes nothing: every
+        full block of the cacheable tokens is cached already (vLLM 0.32's count,
+        which 0.33's, limited to hashed tokens, never exceeds)."""
+        cdef Py_ssize_t cached, cacheable
+        if not self.caching:
+            return True
+        if not _int_value(self.num_cached.get(request_id, 0), &cached):
+            return False
+        cacheable = num_tokens - self.reprefillable
+        if cacheable < 0:
+            cacheable = 0
+        return cached >= cacheable // self.block_size
+
+
+cdef class _Hasher:
+    """The block hasher last seen (one is shared by every request of an
+    engine): its hash block size and lookahead, read once from its closure
+    (vLLM 0.32's hasher has no lookahead: 0)."""
+    cdef object hasher
+    cdef Py_ssize_t block_size, lookahead
+
+    cdef bint read(self, object hasher, object code) except -1:
+        if hasher is self.hasher:
+            return True
+        if getattr(hasher, "__code__", None) is not code:
+            return False
+        cells = dict(zip(code.co_freevars, [cell.cell_contents for cell in hasher.__closure__]))
+        if not (_int_value(cells.get("hash_block_size"), &self.block_size)
+                and _int_value(cells.get("num_hash_lookahead_tokens", 0), &self.lookahead)):
+            return False
+        if self.block_size <= 0:
+            return False
+        self.hasher = hasher
+        return True
+
+
+cdef _Hasher _hasher = _Hasher()
+
+
+cdef int _classify(object request, object tokens, Py_ssize_t num_scheduled, tuple kinds,
+                   int variant, Py_ssize_t max_model_len, Py_ssize_t num_spec_tokens,
+                   _Cache cache, Taken* taken) except -1:
+    """1 if ``request`` is a plain decode that does not stop this step (and
+    ``taken`` holds what the step does to it), 0 if vLLM's loop must take it."""
+    cdef Py_ssize_t stale, in_flight, placeholders, computed, num_tokens, num_output
+    cdef Py_ssize_t max_tokens, min_tokens, num_hashes, cache_upto
+    if type(request) is not kinds[0] or request.status is not kinds[1]:
+        return 0
+    if type(tokens) is not list or PyList_GET_SIZE(tokens) != 1:
+        return 0
+    token = <object>PyList_GET_ITEM(tokens, 0)
+    if type(token) is not int:
+        return 0
+    if not (_int_value(request.num_stale_output_tokens, &stale) and stale == 0):
+        return 0
+    if not _int_value(request.num_in_flight_tokens, &in_flight):
+        return 0
+    mm_features = request.mm_features
+    if type(mm_features) is not list or len(<list>mm_features) != 0:
+        return 0
+    if (request.pooling_params is not None or request.structured_output_request is not None
+            or request.prefill_stats is not None):
+        return 0
+    params = request.sampling_params
+    if params is None or params.num_logprobs is not None:
+        return 0
+    output_ids = request._output_token_ids
+    all_ids = request._all_token_ids
+    if type(output_ids) is not list or type(all_ids) is not list:
+        return 0
+    # check_stop, after the token is appended: it must say "go on".
+    num_tokens = PyList_GET_SIZE(all_ids) + 1
+    num_output = PyList_GET_SIZE(output_ids) + 1
+    eos = params.eos_token_id
+    if eos is not None and (type(eos) is not int or eos == token):
+        return 0
+    stop_ids = params.stop_token_ids
+    if stop_ids and (type(stop_ids) is not list or PySequence_Contains(stop_ids, token)):
+        return 0
+    if not _int_value(request.max_tokens, &max_tokens):
+        return 0
+    if num_tokens >= max_model_len or num_output >= max_tokens:
+        return 0
+    if not _int_value(params.min_tokens, &min_tokens):
+        return 0
+    if num_output >= min_tokens and params.repetition_detection is not None:
+        return 0
+    # update_block_hashes: no new full block to hash.
+    hasher = request._block_hasher
+    if hasher is not None:
+        hashes = request.block_hashes
+        if type(hashes) is not list or not _hasher.read(hasher, kinds[5]):
+            return 0
+        num_hashes = PyList_GET_SIZE(hashes)
+        if (num_hashes + 1) * _hasher.block_size <= num_tokens - _hasher.lookahead:
+            return 0
+    # The placeholder and the block caching of this version.
+    if not _int_value(request.num_output_placeholders, &placeholders):
+        return 0
+    taken.in_flight = in_flight - num_scheduled
+    taken.placeholders = -1
+    cache_upto = -1
+    if variant == PLACEHOLDERS_IN_BASE:
+        if placeholders > 0:
+            taken.placeholders = placeholders - 1
+        if placeholders > 0 or num_spec_tokens > 0:
+            if not _int_value(request.num_computed_tokens, &computed):
+                return 0
+            cache_upto = computed - taken.in_flight
+    elif variant == ASYNC_OVERRIDE:
+        if placeholders <= 0:
+            return 0
+        taken.placeholders = placeholders - 1
+        if not _int_value(request.num_computed_tokens, &computed):
+            return 0
+        cache_upto = computed - taken.placeholders
+    if cache_upto >= 0 and not cache.is_noop(request.request_id, cache_upto):
+        return 0
+    taken.token = <PyObject*>token
+    return 1
+
+
+def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple kinds,
+                        int variant):
+    """Take the plain decodes of one ``update_from_output`` call (see the twin).
+
+    Returns ``None`` (nothing taken, nothing changed) or ``(slots, rest)``:
+    ``slots`` has, in scheduling order, the ``EngineCoreOutput`` of each
+    request taken and the request id of each request left; ``rest`` maps the
+    ids left to their scheduled token counts, for vLLM's own loop.
+    """
+    global _taken, _left
+    if len(kinds) != 8:
+        raise ValueError(f"kinds must have 8 items, got {len(kinds)}")
+    output_type, template = kinds[6], kinds[7]
+    if type(template) is not tuple or len(<tuple>template) != 7:
+        raise ValueError("kinds[7] must be the 7-item EngineCoreOutput template")
+    if variant not in (PLACEHOLDERS_IN_BASE, ASYNC_OVERRIDE, NO_PLACEHOLDERS):
+        raise ValueError(f"variant must be 0, 1 or 2, got {variant}")
+    requests = scheduler.requests
+    scheduled = scheduler_output.num_scheduled_tokens
+    spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+    index_of = model_runner_output.req_id_to_index
+    sampled = model_runner_output.sampled_token_ids
+    nans = model_runner_output.num_nans_in_logits
+    prompt_logprobs = model_runner_output.prompt_logprobs_dict
+    prompt_token_logprobs = model_runner_output.prompt_token_id_logprobs_dict
+    for name, checked in (("scheduler.requests", requests),
+                        ("num_scheduled_tokens", scheduled),
+                        ("scheduled_spec_decode_tokens", spec_tokens),
+                        ("req_id_to_index", index_of),
+                        ("prompt_logprobs_dict", prompt_logprobs),
+                        ("prompt_token_id_logprobs_dict", prompt_token_logprobs)):
+        if not isinstance(checked, dict):
+            raise TypeError(f"{name} must be a dict, got {type(checked).__name__}")
+    if not isinstance(sampled, list):
+        raise TypeError(f"sampled_token_ids must be a list, got {type(sampled).__name__}")
+    if nans is not None and not isinstance(nans, dict):
+        raise TypeError(f"num_nans_in_logits must be a dict or None, got {type(nans).__name__}")
+    cdef Py_ssize_t max_model_len, num_spec_tokens, num_scheduled, row, count, i
+    if not (_int_value(scheduler.max_model_len, &max_model_len)
+            and _int_value(scheduler.num_spec_tokens, &num_spec_tokens)):
+        return None
+    cdef _Cache cache = _Cache()
+    if not cache.read(scheduler.kv_cache_manager, kinds):
+        return None
+    cdef Py_ssize_t num_requests = len(<dict>scheduled)
+    cdef Taken* taken = <Taken*>PyMem_Malloc(max(num_requests, 1) * sizeof(Taken))
+    if taken == NULL:
+        raise MemoryError()
+    cdef list slots = [None] * num_requests
+    cdef list taken_requests = []
+    cdef dict rest = {}
+    cdef Py_ssize_t pos = 0
+    cdef PyObject* key
+    cdef PyObject* value
+    try:
+        # Pass 1: read and classify; nothing is changed.
+        count = 0
+        i = 0
+        while PyDict_Next(scheduled, &pos, &key, &value):
+            req_id = <object>key
+            num_obj = <object>value
+            request = (<dict>requests).get(req_id)
+            if request is not None and request.client_index != 0:
+                return None  # outputs of several front-ends: vLLM's loop orders them
+            if (request is None or not _int_value(num_obj, &num_scheduled)
+                    or num_scheduled <= 0
+                    or req_id in <dict>spec_tokens
+                    or (nans is not None and req_id in <dict>nans)
+                    or req_id in <dict>prompt_logprobs
+                    or req_id in <dict>prompt_token_logprobs):
+                slots[i] = req_id
+                rest[req_id] = num_obj
+                i += 1
+                continue
+            row_obj = (<dict>index_of).get(req_id)
+            tokens = None
+            if type(row_obj) is int and _int_value(row_obj, &row) \
+                    and 0 <= row < PyList_GET_SIZE(sampled):
+                tokens = <object>PyList_GET_ITEM(sampled, row)
+            if tokens is not None and _classify(request, tokens, num_scheduled, kinds, variant,
+                                                max_model_len, num_spec_tokens, cache,
+                                                &taken[count]):
+                slots[i] = tokens  # the request's sampled list, for pass 2
+                taken_requests.append(request)
+                count += 1
+            else:
+                slots[i] = req_id
+                rest[req_id] = num_obj
+            i += 1
+        if count == 0:
+            return None
+        # Pass 2: what vLLM's loop does to each request taken, and its output.
+        args = list(<tuple>template[0])
+        at_id, at_tokens, at_stop, at_events, at_trace, at_nans = template[1:]
+        count = 0
+        for i in range(num_requests):
+            tokens = slots[i]
+            if type(tokens) is not list:
+                continue
+            request = taken_requests[count]
+            token = <object>taken[count].token
+            request.num_in_flight_tokens = taken[count].in_flight
+            PyList_Append(request._output_token_ids, token)
+            PyList_Append(request._all_token_ids, token)
+            if taken[count].placeholders >= 0:
+                request.num_output_placeholders = taken[count].placeholders
+            events = request.events
+            if events:
+                request.events = []
+            else:
+                events = None
+            args[at_id] = request.request_id
+            args[at_tokens] = tokens
+            args[at_stop] = request.stop_reason
+            args[at_events] = events
+            args[at_trace] = request.trace_headers
+            args[at_nans] = request.num_nans_in_logits
+            slots[i] = output_type(*args)
+            count += 1
+        _taken += count
+        _left += len(rest)
+        return slots, rest
+    finally:
+        PyMem_Free(taken)
+
+
+def merge_decode_outputs(list slots, list stock_outputs):
+    """The step's outputs in scheduling order: each slot's own output, or for a
+    request id, vLLM's output for it if its loop made one; then any outputs of
+    vLLM's left over (those its loop adds after the requests, in order)."""
+    cdef list merged = []
+    cdef Py_ssize_t j = 0, num_stock = len(stock_outputs)
+    for slot in slots:
+        if type(slot) is str:
+            if j < num_stock and stock_outputs[j].request_id == slot:
+                merged.append(stock_outputs[j])
+                j += 1
+        else:
+            merged.append(slot)
+    merged.extend(stock_outputs[j:])
+    return merged

@@ -1,0 +1,293 @@
+"""Twin of the compiled piece ``scheduler_outputs`` (``fastbatch._kernels.decode_outputs``).
+
+``take_decode_outputs`` takes, out of one call of vLLM's
+``Scheduler.update_from_output``, the requests that are plain decodes and do
+not stop this step, and does to them exactly what vLLM's per-request loop
+would; the caller hands the rest to vLLM's own method and merges the outputs
+back in scheduling order (``merge_decode_outputs``).
+
+A request is taken only if all of these hold (read off vLLM 0.33.0 and
+0.32.0, pinned by the patch's guard); else vLLM's loop takes it:
+
+- it is a RUNNING ``Request`` (exact type) of front-end 0 (if any scheduled
+  request is of another front-end, nothing is taken: vLLM orders the
+  outputs of several front-ends by first appearance);
+- it has no stale output share, no encoder inputs, no pooling, no
+  structured output, no logprobs, no prefill stats to report, no spec tokens
+  scheduled, no NaN count and no prompt logprobs in this output;
+- exactly one token was sampled for it (an int);
+- ``check_stop`` after appending that token says "go on": not EOS, not a
+  stop token, below ``max_model_len`` and ``max_tokens``, and either below
+  ``min_tokens`` or with no repetition detection;
+- appending the token fills no block to hash (the block hasher is vLLM's
+  ``request_block_hasher``, whose block size and lookahead are read from its
+  closure);
+- the KV-cache call vLLM makes for it, if any, caches nothing: every full
+  block of the cacheable tokens is cached already (vLLM 0.32's count of full
+  blocks; 0.33's, limited to the hashed tokens, is never larger).
+
+What is done to a request taken, as vLLM does: ``num_in_flight_tokens``
+less the scheduled count; the token appended to ``_output_token_ids`` and
+``_all_token_ids`` (the same int object); one output placeholder resolved
+(``variant``: 0, vLLM 0.33, when there is one; 1, vLLM 0.32's
+``AsyncScheduler``, always, so there must be one; 2, vLLM 0.32's sync
+``Scheduler``, never); its events taken; an ``EngineCoreOutput`` with the
+sampled list itself as ``new_token_ids``.
+
+``kinds`` is ``(Request, RequestStatus.RUNNING, KVCacheManager,
+(coordinator types...), FullAttentionManager, request_block_hasher's code,
+EngineCoreOutput, template)``; ``template`` is ``(positional arguments,
+index of request_id, of new_token_ids, of stop_reason, of events, of
+trace_headers, of num_nans_in_logits)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastbatch._reference._common import Counters
+
+_COUNTERS = Counters(("scheduler_fast_outputs", "scheduler_stock_outputs"))
+stats, reset_stats = _COUNTERS.stats, _COUNTERS.reset_stats
+
+PLACEHOLDERS_IN_BASE, ASYNC_OVERRIDE, NO_PLACEHOLDERS = 0, 1, 2
+
+
+def _is_int(*values: Any) -> bool:
+    return all(type(value) is int for value in values)
+
+
+class _Cache:
+    """The KV-cache manager of one step, read once: is ``cache_blocks`` a no-op?"""
+
+    def __init__(self, manager: Any, kinds: tuple[Any, ...]) -> None:
+        self.plain = False
+        manager_type, coordinator_types, single_type = kinds[2], kinds[3], kinds[4]
+        if type(manager) is not manager_type:
+            return
+        if not manager.enable_caching:
+            self.caching, self.plain = False, True
+            return
+        coordinator = manager.coordinator
+        if type(coordinator) not in coordinator_types:
+            return
+        singles = coordinator.single_type_managers
+        if type(singles) is not tuple or len(singles) != 1 or type(singles[0]) is not single_type:
+            return
+        single = singles[0]
+        self.caching = bool(single.enable_caching) and bool(single.kv_cache_spec.prefix_cacheable)
+        if not self.caching:
+            self.plain = True
+            return
+        self.num_cached = single.num_cached_block
+        self.block_size = single.block_size
+        self.reprefillable = coordinator.num_reprefillable_tokens
+        self.plain = (isinstance(self.num_cached, dict) and _is_int(self.block_size,
+                                                                    self.reprefillable)
+                      and self.block_size > 0)
+
+    def is_noop(self, request_id: Any, num_tokens: int) -> bool:
+        if not self.caching:
+            return True
+        cached = self.num_cached.get(request_id, 0)
+        if not _is_int(cached):
+            return False
+        return cached >= max(0, num_tokens - self.reprefillable) // self.block_size
+
+
+def _hasher_sizes(hasher: Any, code: Any) -> tuple[int, int] | None:
+    if getattr(hasher, "__code__", None) is not code:
+        return None
+    cells = dict(zip(code.co_freevars, [cell.cell_contents for cell in hasher.__closure__],
+                     strict=True))
+    block_size, lookahead = cells.get("hash_block_size"), cells.get("num_hash_lookahead_tokens", 0)
+    if not _is_int(block_size, lookahead) or block_size <= 0:
+        return None
+    return block_size, lookahead
+
+
+def _classify(request: Any, tokens: Any, num_scheduled: int, kinds: tuple[Any, ...],
+              variant: int, max_model_len: int, num_spec_tokens: int,
+              cache: _Cache) -> tuple[int, int] | None:
+    """``(in-flight count after, placeholders after or -1)`` if ``request`` is
+    taken, None if vLLM's loop must take it."""
+    if type(request) is not kinds[0] or request.status is not kinds[1]:
+        return None
+    if type(tokens) is not list or len(tokens) != 1 or type(tokens[0]) is not int:
+        return None
+    token = tokens[0]
+    stale, in_flight = request.num_stale_output_tokens, request.num_in_flight_tokens
+    if not _is_int(stale, in_flight) or stale != 0:
+        return None
+    mm_features = request.mm_features
+    if type(mm_features) is not list or mm_features:
+        return None
+    if (request.pooling_params is not None or request.structured_output_request is not None
+            or request.prefill_stats is not None):
+        return None
+    params = request.sampling_params
+    if params is None or params.num_logprobs is not None:
+        return None
+    output_ids, all_ids = request._output_token_ids, request._all_token_ids
+    if type(output_ids) is not list or type(all_ids) is not list:
+        return None
+    num_tokens, num_output = len(all_ids) + 1, len(output_ids) + 1
+    eos = params.eos_token_id
+    if eos is not None and (type(eos) is not int or eos == token):
+        return None
+    stop_ids = params.stop_token_ids
+    if stop_ids and (type(stop_ids) is not list or token in stop_ids):
+        return None
+    max_tokens, min_tokens = request.max_tokens, params.min_tokens
+    if not _is_int(max_tokens) or num_tokens >= max_model_len or num_output >= max_tokens:
+        return None
+    if not _is_int(min_tokens):
+        return None
+    if num_output >= min_tokens and params.repetition_detection is not None:
+        return None
+    hasher = request._block_hasher
+    if hasher is not None:
+        hashes = request.block_hashes
+        sizes = _hasher_sizes(hasher, kinds[5])
+        if type(hashes) is not list or sizes is None:
+            return None
+        block_size, lookahead = sizes
+        if (len(hashes) + 1) * block_size <= num_tokens - lookahead:
+            return None
+    placeholders = request.num_output_placeholders
+    if not _is_int(placeholders):
+        return None
+    in_flight_after, placeholders_after, cache_upto = in_flight - num_scheduled, -1, -1
+    if variant == PLACEHOLDERS_IN_BASE:
+        if placeholders > 0:
+            placeholders_after = placeholders - 1
+        if placeholders > 0 or num_spec_tokens > 0:
+            if not _is_int(request.num_computed_tokens):
+                return None
+            cache_upto = request.num_computed_tokens - in_flight_after
+    elif variant == ASYNC_OVERRIDE:
+        if placeholders <= 0 or not _is_int(request.num_computed_tokens):
+            return None
+        placeholders_after = placeholders - 1
+        cache_upto = request.num_computed_tokens - placeholders_after
+    if cache_upto >= 0 and not cache.is_noop(request.request_id, cache_upto):
+        return None
+    return in_flight_after, placeholders_after
+
+
+def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_output: Any,
+                        kinds: tuple[Any, ...], variant: int) -> tuple[list, dict] | None:
+    """Take the plain decodes of one ``update_from_output`` call.
+
+    Returns ``None`` (nothing taken, nothing changed) or ``(slots, rest)``:
+    ``slots`` has, in scheduling order, the ``EngineCoreOutput`` of each
+    request taken and the request id of each request left; ``rest`` maps the
+    ids left to their scheduled token counts, for vLLM's own loop.
+    """
+    if not isinstance(kinds, tuple):
+        raise TypeError(f"kinds must be a tuple, got {type(kinds).__name__}")
+    if len(kinds) != 8:
+        raise ValueError(f"kinds must have 8 items, got {len(kinds)}")
+    output_type, template = kinds[6], kinds[7]
+    if type(template) is not tuple or len(template) != 7:
+        raise ValueError("kinds[7] must be the 7-item EngineCoreOutput template")
+    if variant not in (PLACEHOLDERS_IN_BASE, ASYNC_OVERRIDE, NO_PLACEHOLDERS):
+        raise ValueError(f"variant must be 0, 1 or 2, got {variant}")
+    requests = scheduler.requests
+    scheduled = scheduler_output.num_scheduled_tokens
+    spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+    index_of = model_runner_output.req_id_to_index
+    sampled = model_runner_output.sampled_token_ids
+    nans = model_runner_output.num_nans_in_logits
+    prompt_logprobs = model_runner_output.prompt_logprobs_dict
+    prompt_token_logprobs = model_runner_output.prompt_token_id_logprobs_dict
+    for name, value in (("scheduler.requests", requests),
+                        ("num_scheduled_tokens", scheduled),
+                        ("scheduled_spec_decode_tokens", spec_tokens),
+                        ("req_id_to_index", index_of),
+                        ("prompt_logprobs_dict", prompt_logprobs),
+                        ("prompt_token_id_logprobs_dict", prompt_token_logprobs)):
+        if not isinstance(value, dict):
+            raise TypeError(f"{name} must be a dict, got {type(value).__name__}")
+    if not isinstance(sampled, list):
+        raise TypeError(f"sampled_token_ids must be a list, got {type(sampled).__name__}")
+    if nans is not None and not isinstance(nans, dict):
+        raise TypeError(f"num_nans_in_logits must be a dict or None, got {type(nans).__name__}")
+    max_model_len, num_spec_tokens = scheduler.max_model_len, scheduler.num_spec_tokens
+    if not _is_int(max_model_len, num_spec_tokens):
+        return None
+    cache = _Cache(scheduler.kv_cache_manager, kinds)
+    if not cache.plain:
+        return None
+    slots: list[Any] = []
+    rest: dict[Any, Any] = {}
+    taken: list[tuple[Any, tuple[int, int]]] = []
+    for req_id, num_scheduled in scheduled.items():
+        request = requests.get(req_id)
+        if request is not None and request.client_index != 0:
+            return None
+        if (request is None or not _is_int(num_scheduled) or num_scheduled <= 0
+                or req_id in spec_tokens or (nans is not None and req_id in nans)
+                or req_id in prompt_logprobs or req_id in prompt_token_logprobs):
+            slots.append(req_id)
+            rest[req_id] = num_scheduled
+            continue
+        row = index_of.get(req_id)
+        tokens = sampled[row] if type(row) is int and 0 <= row < len(sampled) else None
+        effects = None if tokens is None else _classify(
+            request, tokens, num_scheduled, kinds, variant, max_model_len, num_spec_tokens,
+            cache)
+        if effects is None:
+            slots.append(req_id)
+            rest[req_id] = num_scheduled
+        else:
+            slots.append(tokens)
+            taken.append((request, effects))
+    if not taken:
+        return None
+    args = list(template[0])
+    at_id, at_tokens, at_stop, at_events, at_trace, at_nans = template[1:]
+    pending = iter(taken)
+    for index, tokens in enumerate(slots):
+        if type(tokens) is not list:
+            continue
+        request, (in_flight_after, placeholders_after) = next(pending)
+        token = tokens[0]
+        request.num_in_flight_tokens = in_flight_after
+        request._output_token_ids.append(token)
+        request._all_token_ids.append(token)
+        if placeholders_after >= 0:
+            request.num_output_placeholders = placeholders_after
+        events = request.events
+        if events:
+            request.events = []
+        else:
+            events = None
+        args[at_id] = request.request_id
+        args[at_tokens] = tokens
+        args[at_stop] = request.stop_reason
+        args[at_events] = events
+        args[at_trace] = request.trace_headers
+        args[at_nans] = request.num_nans_in_logits
+        slots[index] = output_type(*args)
+    _COUNTERS.values["scheduler_fast_outputs"] += len(taken)
+    _COUNTERS.values["scheduler_stock_outputs"] += len(rest)
+    return slots, rest
+
+
+def merge_decode_outputs(slots: list[Any], stock_outputs: list[Any]) -> list[Any]:
+    """The step's outputs in scheduling order: each slot's own output, or for a
+    request id, vLLM's output for it if its loop made one; then any outputs of
+    vLLM's left over (those its loop adds after the requests, in order)."""
+    if not isinstance(slots, list) or not isinstance(stock_outputs, list):
+        raise TypeError("slots and stock_outputs must be lists")
+    merged, j = [], 0
+    for slot in slots:
+        if type(slot) is str:
+            if j < len(stock_outputs) and stock_outputs[j].request_id == slot:
+                merged.append(stock_outputs[j])
+                j += 1
+        else:
+            merged.append(slot)
+    merged.extend(stock_outputs[j:])
+    return merged

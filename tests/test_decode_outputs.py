@@ -1,0 +1,260 @@
+"""Piece ``scheduler_outputs``: the plain decodes of ``Scheduler.update_from_output``.
+
+Against the REAL vLLM 0.33.0 scheduler (tox -e vllm), no model: the lockstep
+harness (``scheduler_lockstep``) drives a stock scheduler and one whose
+``update_from_output`` goes through fastbatch (alone, and together with the
+``scheduler`` piece's ``allocate_slots``), with the same requests and model
+outputs, and compares scheduler outputs, engine-core outputs, the KV-cache
+state and every request after every step, over workloads that leave the fast
+path (prefix caching on and off, async and sync scheduling, EOS, stop tokens,
+min_tokens, max_tokens, aborts, preemption, chunked prefill, block
+boundaries, arrivals every step, the Model Runner V2 branches).
+``FASTBATCH_LOCKSTEP_STEPS`` sets the total number of steps (default 2,000;
+the report runs >= 10,000).
+
+Also: compiled vs twin on generated real requests (hypothesis); the guard,
+the activation check (refuses a wrong kernel), bad input (nothing changed),
+leaks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import MethodType, SimpleNamespace
+
+import msgspec
+import pytest
+import scheduler_lockstep as lockstep
+from hypothesis import given
+from hypothesis import strategies as st
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import RequestStatus
+
+import fastbatch
+from fastbatch import _kernels, _reference, vllm_plugin
+from fastbatch.patches import decode_outputs as patch
+from fastbatch.patches import decode_slots
+from leaks import assert_no_leak
+
+pytestmark = pytest.mark.vllm
+STOCK = Scheduler.update_from_output
+TOTAL_STEPS = int(os.environ.get("FASTBATCH_LOCKSTEP_STEPS", "2000"))
+STEPS_PER_WORKLOAD = max(1, TOTAL_STEPS // len(lockstep.WORKLOADS))
+
+
+def make_fast(workload: lockstep.Workload):
+    """A scheduler whose own ``update_from_output`` goes through fastbatch (the
+    class stays stock, so the other scheduler in this process is untouched)."""
+    scheduler = lockstep.make_scheduler(workload)
+    scheduler.update_from_output = MethodType(patch.update_from_output, scheduler)
+    return scheduler
+
+
+def make_fast_with_slots(workload: lockstep.Workload):
+    scheduler = make_fast(workload)
+    manager = scheduler.kv_cache_manager
+    manager.allocate_slots = MethodType(decode_slots.allocate_slots, manager)
+    return scheduler
+
+
+@pytest.mark.parametrize("workload", lockstep.WORKLOADS, ids=lambda w: w.name)
+def test_lockstep_fast_path_matches_stock(workload):
+    fastbatch.reset_stats()
+    harness = lockstep.Lockstep(workload, seed=21, make_fast=make_fast)
+    harness.run(STEPS_PER_WORKLOAD)  # raises Divergence at the first difference
+    counters = fastbatch.stats()
+    assert counters["scheduler_fast_outputs"] > 0  # the fast path was taken
+    assert counters["scheduler_stock_outputs"] > 0  # and left
+    if workload.name.startswith("preemption"):
+        assert harness.preemptions > 0
+
+
+@pytest.mark.parametrize("workload", [lockstep.WORKLOADS[3], lockstep.WORKLOADS[7],
+                                      lockstep.WORKLOADS[11]], ids=lambda w: w.name)
+def test_lockstep_with_the_allocation_fast_path_too(workload):
+    lockstep.Lockstep(workload, seed=8, make_fast=make_fast_with_slots).run(
+        max(60, STEPS_PER_WORKLOAD // 2))
+
+
+@pytest.mark.parametrize("workload", [lockstep.WORKLOADS[3], lockstep.WORKLOADS[6]],
+                         ids=lambda w: w.name)
+def test_lockstep_with_the_pure_python_twin(monkeypatch, workload):
+    monkeypatch.setattr(fastbatch, "take_decode_outputs", _reference.take_decode_outputs)
+    monkeypatch.setattr(fastbatch, "merge_decode_outputs", _reference.merge_decode_outputs)
+    lockstep.Lockstep(workload, seed=5, make_fast=make_fast).run(60)
+
+
+# Compiled vs twin on generated states of real requests over a real small KV
+# cache manager (the stand-in scheduler of the activation check).
+
+def _state(cls, caching, specs, stop_every):
+    requests = patch._stand_in_requests()[:len(specs)]
+    scheduler = patch._stand_in_scheduler(cls, caching, requests)
+    manager = scheduler.kv_cache_manager
+    scheduled, sampled = {}, []
+    for request, (outputs, token, in_flight, placeholders, status, max_tokens) in zip(
+            requests, specs, strict=True):
+        request.max_tokens = max_tokens
+        request.take_prefill_stats()  # as the prefill's output did
+        manager.allocate_slots(request, request.num_tokens)
+        for index in range(outputs):
+            request.append_output_token_ids(40 + index)
+        manager.allocate_slots(request, request.num_tokens - request.num_computed_tokens)
+        request.num_computed_tokens = request.num_tokens + in_flight - 1
+        if caching and stop_every:
+            manager.cache_blocks(request, request.num_computed_tokens - in_flight)
+        request.num_in_flight_tokens = in_flight
+        request.num_output_placeholders = placeholders
+        request.status = status
+        scheduled[request.request_id] = in_flight or 1
+        sampled.append([token])
+    req_ids = list(scheduled)
+    runner_output = ModelRunnerOutput(
+        req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=sampled)
+    scheduler_output = SimpleNamespace(num_scheduled_tokens=scheduled,
+                                       scheduled_spec_decode_tokens={})
+    return scheduler, scheduler_output, runner_output
+
+
+def _plain(result, scheduler):
+    if result is not None:
+        slots, rest = result
+        result = ([slot if type(slot) is str else msgspec.structs.asdict(slot)
+                   for slot in slots], rest)
+    return result, patch._side_state(scheduler, {})
+
+
+REQUEST_SPECS = st.tuples(
+    st.integers(0, 9),  # outputs so far
+    st.sampled_from([2, 31, 7, 40, 2**40]),  # sampled token: EOS, a stop token, others
+    st.integers(0, 2),  # in-flight tokens
+    st.integers(0, 2),  # output placeholders
+    st.sampled_from([RequestStatus.RUNNING, RequestStatus.PREEMPTED]),
+    st.integers(1, 14))  # max_tokens
+
+
+@given(st.sampled_from([Scheduler, AsyncScheduler]), st.booleans(),
+       st.lists(REQUEST_SPECS, min_size=1, max_size=4), st.booleans(), st.sampled_from([0, 1, 2]))
+def test_compiled_matches_twin(cls, caching, specs, cache_some, variant):
+    patch._bind()
+    compiled_side = _state(cls, caching, specs, cache_some)
+    twin_side = _state(cls, caching, specs, cache_some)
+    compiled = _kernels.take_decode_outputs(*compiled_side, patch._KINDS, variant)
+    twin = _reference.take_decode_outputs(*twin_side, patch._KINDS, variant)
+    assert _plain(compiled, compiled_side[0]) == _plain(twin, twin_side[0])
+
+
+@pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
+def test_merge(implementation):
+    first, third = SimpleNamespace(request_id="a"), SimpleNamespace(request_id="c")
+    error = SimpleNamespace(request_id="b")
+    own = SimpleNamespace(request_id="x")
+    merged = implementation.merge_decode_outputs(["a", own, "b", "c"], [first, third, error])
+    assert merged == [first, own, third, error]
+    assert implementation.merge_decode_outputs([own], []) == [own]
+
+
+@pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
+def test_bad_input_changes_nothing(implementation):
+    patch._bind()
+    specs = [(3, 7, 1, 1, RequestStatus.RUNNING, 14)]
+    scheduler, scheduler_output, runner_output = _state(AsyncScheduler, True, specs, False)
+    before = _plain(None, scheduler)
+    with pytest.raises(ValueError, match="kinds must have 8 items"):
+        implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
+                                           patch._KINDS[:7], 0)
+    with pytest.raises(ValueError, match="7-item EngineCoreOutput template"):
+        implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
+                                           (*patch._KINDS[:7], ()), 0)
+    scheduler_output.num_scheduled_tokens = list(scheduler_output.num_scheduled_tokens)
+    with pytest.raises(TypeError, match="num_scheduled_tokens must be a dict"):
+        implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
+                                           patch._KINDS, 0)
+    scheduler_output.num_scheduled_tokens = {"r0": 1}
+    runner_output.sampled_token_ids = tuple(runner_output.sampled_token_ids)
+    with pytest.raises(TypeError, match="sampled_token_ids must be a list"):
+        implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
+                                           patch._KINDS, 0)
+    runner_output.sampled_token_ids = list(runner_output.sampled_token_ids)
+    with pytest.raises(ValueError, match="variant must be 0, 1 or 2"):
+        implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
+                                           patch._KINDS, 7)
+    assert _plain(None, scheduler) == before
+    # A count that is not a positive int, a token that is not an int: vLLM's loop.
+    scheduler_output.num_scheduled_tokens = {"r0": 1.0}
+    assert implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
+                                              patch._KINDS, 0) is None
+    scheduler_output.num_scheduled_tokens = {"r0": 1}
+    runner_output.sampled_token_ids = [[7.0]]
+    assert implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
+                                              patch._KINDS, 0) is None
+    assert _plain(None, scheduler) == before
+
+
+def test_no_leaks():
+    patch._bind()
+    specs = [(3, 7, 1, 1, RequestStatus.RUNNING, 10**6)] * 3
+    scheduler, scheduler_output, runner_output = _state(AsyncScheduler, False, specs, False)
+    requests = list(scheduler.requests.values())
+
+    def step():
+        result = _kernels.take_decode_outputs(scheduler, scheduler_output, runner_output,
+                                              patch._KINDS, 0)
+        assert result is not None
+        for request in requests:  # undo the step, so that every call takes all
+            del request._output_token_ids[-1]
+            del request._all_token_ids[-1]
+            request.num_in_flight_tokens = 1
+            request.num_output_placeholders = 1
+
+    for _ in range(100):
+        step()
+    assert_no_leak(step, [scheduler, scheduler_output, runner_output, *requests,
+                          patch._KINDS], 2000)
+
+
+def test_guard_accepts_this_vllm_and_refuses_a_changed_method():
+    import vllm
+
+    assert patch.check_target(vllm.__version__, STOCK) is None
+    assert "not a verified variant" in patch.check_target(vllm.__version__, make_fast)
+    assert "not a verified version" in patch.check_target("0.34.0", STOCK)
+
+
+def test_activation_check_passes_and_refuses_a_wrong_kernel(monkeypatch):
+    assert patch.activation_check(STOCK, patch.update_from_output) is None
+
+    def off_by_one(*args):
+        taken = _kernels.take_decode_outputs(*args)
+        for request in args[0].requests.values():
+            request.num_in_flight_tokens += 1
+        return taken
+
+    monkeypatch.setattr(fastbatch, "take_decode_outputs", off_by_one)
+    assert patch.activation_check(STOCK, patch.update_from_output) is not None
+    monkeypatch.setattr(fastbatch, "take_decode_outputs", _kernels.take_decode_outputs)
+    monkeypatch.setattr(patch, "_variant", lambda scheduler: 2)  # the wrong placeholder rule
+    assert "AsyncScheduler" in patch.activation_check(STOCK, patch.update_from_output)
+
+
+def test_plugin_applies_and_reverts(monkeypatch):
+    monkeypatch.setenv("FASTBATCH", "1")
+    monkeypatch.setenv("FASTBATCH_DISABLE", "output spec penalties")
+    try:
+        vllm_plugin.register()
+        assert patch.is_applied() and Scheduler.update_from_output is patch.update_from_output
+        assert AsyncScheduler.update_from_output is patch.update_from_output
+        assert vllm_plugin.status()["patches"]["scheduler_outputs"] is True
+    finally:
+        for module in vllm_plugin.PATCHES.values():
+            importlib.import_module(module).revert()
+    assert Scheduler.update_from_output is STOCK
+    monkeypatch.setenv("FASTBATCH_DISABLE", "scheduler_outputs")
+    vllm_plugin.register()
+    assert Scheduler.update_from_output is STOCK
+    for module in vllm_plugin.PATCHES.values():
+        importlib.import_module(module).revert()
