@@ -20,6 +20,9 @@ from fastbatch import model_runner, vllm_plugin
 # Every piece's patch module, and the names of those with work only under
 # async scheduling.
 PATCHES = tuple(importlib.import_module(module) for module in vllm_plugin.PATCHES.values())
+# The pieces that replace the scheduler's code, which Model Runner V2 runs too.
+SCHEDULER_PIECES = [name for name, module in zip(vllm_plugin.PATCHES, PATCHES, strict=True)
+                    if module.PATCH.acts_under_v2]
 ASYNC_ONLY = [name for name, module in zip(vllm_plugin.PATCHES, PATCHES, strict=True)
               if module.PATCH.needs_async_scheduling]
 
@@ -158,8 +161,9 @@ def stock(monkeypatch):
 @pytest.mark.parametrize(("use_v2", "kind", "expected"), [
     (True, "v2", "fastbatch: Model Runner V2 in use (SimpleNamespace): fastbatch's runner "
                  "pieces serve the V1 runner and stay idle here; "
-                 "VLLM_USE_V2_MODEL_RUNNER=0 selects V1; scheduler still acts (vLLM's "
-                 "scheduler is the same under both runners)"),
+                 "VLLM_USE_V2_MODEL_RUNNER=0 selects V1; "
+                 f"{', '.join(SCHEDULER_PIECES)} still act (vLLM's scheduler is the same "
+                 "under both runners)"),
     (False, "unknown", "fastbatch: this worker's model runner (SimpleNamespace) is neither "
                        "vLLM's V1 runner nor Model Runner V2"),
 ])

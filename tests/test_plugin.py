@@ -14,6 +14,7 @@ import textwrap
 import pytest
 import torch
 from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.sample import rejection_sampler, sampler
 from vllm.v1.sample.ops import penalties
 from vllm.v1.worker.gpu_input_batch import InputBatch
@@ -45,6 +46,7 @@ PATCHES = {name: importlib.import_module(module)
 STOCK = {name: _lookup(module.PATCH.module, module.PATCH.qualname)[2]
          for name, module in PATCHES.items()}
 STOCK_ALLOCATE = KVCacheManager.allocate_slots
+STOCK_UPDATE_FROM_OUTPUT = Scheduler.update_from_output
 STOCK_APPLY_ALL = penalties.apply_all_penalties
 BINDINGS = (sampler, rejection_sampler, penalties)  # where apply_all_penalties is called from
 
@@ -139,6 +141,7 @@ def test_switch_on_installs_once(monkeypatch, logs, value):
     (",".join(PATCHES), set(PATCHES)),
     ("prev_positions INPUT_IDS", {"prev_positions", "input_ids"}),
     ("scheduler", {"scheduler"}),
+    ("scheduler_outputs", {"scheduler_outputs"}),
 ])
 def test_disable_leaves_single_pieces_stock(monkeypatch, logs, value, stock):
     monkeypatch.setenv("FASTBATCH", "1")
@@ -154,6 +157,8 @@ def test_disable_leaves_single_pieces_stock(monkeypatch, logs, value, stock):
     assert (GPUModelRunner._prepare_input_ids is STOCK_INPUT_IDS) == ("input_ids" in stock)
     assert bool(_masking_skipped_at()) == ("penalties" not in stock)
     assert (KVCacheManager.allocate_slots is STOCK_ALLOCATE) == ("scheduler" in stock)
+    assert (Scheduler.update_from_output is STOCK_UPDATE_FROM_OUTPUT) == (
+        "scheduler_outputs" in stock)
     left_stock = [info for info in logs.at(logging.INFO) if "left stock" in info]
     assert len(left_stock) == len(stock)
     assert logs.at(logging.WARNING) == []

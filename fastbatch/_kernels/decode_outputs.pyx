@@ -140,47 +140,50 @@ cdef class _Hasher:
 cdef _Hasher _hasher = _Hasher()
 
 
-cdef int _classify(object request, object tokens, Py_ssize_t num_scheduled, tuple kinds,
+cdef int _classify(dict attrs, object tokens, Py_ssize_t num_scheduled, tuple kinds,
                    int variant, Py_ssize_t max_model_len, Py_ssize_t num_spec_tokens,
                    _Cache cache, Taken* taken) except -1:
-    """1 if ``request`` is a plain decode that does not stop this step (and
-    ``taken`` holds what the step does to it), 0 if vLLM's loop must take it."""
+    """1 if the request (``attrs``: its instance dict) is a plain decode that
+    does not stop this step (and ``taken`` holds what the step does to it), 0
+    if vLLM's loop must take it."""
     cdef Py_ssize_t stale, in_flight, placeholders, computed, num_tokens, num_output
     cdef Py_ssize_t max_tokens, min_tokens, num_hashes, cache_upto
-    if type(request) is not kinds[0] or request.status is not kinds[1]:
+    if attrs.get("status") is not kinds[1]:
         return 0
     if type(tokens) is not list or PyList_GET_SIZE(tokens) != 1:
         return 0
     token = <object>PyList_GET_ITEM(tokens, 0)
     if type(token) is not int:
         return 0
-    if not (_int_value(request.num_stale_output_tokens, &stale) and stale == 0):
+    if not (_int_value(attrs.get("num_stale_output_tokens"), &stale) and stale == 0):
         return 0
-    if not _int_value(request.num_in_flight_tokens, &in_flight):
+    if not _int_value(attrs.get("num_in_flight_tokens"), &in_flight):
         return 0
-    mm_features = request.mm_features
+    mm_features = attrs.get("mm_features")
     if type(mm_features) is not list or len(<list>mm_features) != 0:
         return 0
-    if (request.pooling_params is not None or request.structured_output_request is not None
-            or request.prefill_stats is not None):
+    if (attrs.get("pooling_params") is not None
+            or attrs.get("structured_output_request") is not None
+            or attrs.get("prefill_stats") is not None):
         return 0
-    params = request.sampling_params
-    if params is None or params.num_logprobs is not None:
+    params = attrs.get("sampling_params")
+    # ``num_logprobs`` is None (the property, pinned by the guard).
+    if params is None or params.logprobs is not None or params.logprob_token_ids:
         return 0
-    output_ids = request._output_token_ids
-    all_ids = request._all_token_ids
+    output_ids = attrs.get("_output_token_ids")
+    all_ids = attrs.get("_all_token_ids")
     if type(output_ids) is not list or type(all_ids) is not list:
         return 0
     # check_stop, after the token is appended: it must say "go on".
     num_tokens = PyList_GET_SIZE(all_ids) + 1
     num_output = PyList_GET_SIZE(output_ids) + 1
-    eos = params.eos_token_id
+    eos = params._eos_token_id  # the eos_token_id property
     if eos is not None and (type(eos) is not int or eos == token):
         return 0
     stop_ids = params.stop_token_ids
     if stop_ids and (type(stop_ids) is not list or PySequence_Contains(stop_ids, token)):
         return 0
-    if not _int_value(request.max_tokens, &max_tokens):
+    if not _int_value(attrs.get("max_tokens"), &max_tokens):
         return 0
     if num_tokens >= max_model_len or num_output >= max_tokens:
         return 0
@@ -189,16 +192,16 @@ cdef int _classify(object request, object tokens, Py_ssize_t num_scheduled, tupl
     if num_output >= min_tokens and params.repetition_detection is not None:
         return 0
     # update_block_hashes: no new full block to hash.
-    hasher = request._block_hasher
+    hasher = attrs.get("_block_hasher")
     if hasher is not None:
-        hashes = request.block_hashes
+        hashes = attrs.get("block_hashes")
         if type(hashes) is not list or not _hasher.read(hasher, kinds[5]):
             return 0
         num_hashes = PyList_GET_SIZE(hashes)
         if (num_hashes + 1) * _hasher.block_size <= num_tokens - _hasher.lookahead:
             return 0
     # The placeholder and the block caching of this version.
-    if not _int_value(request.num_output_placeholders, &placeholders):
+    if not _int_value(attrs.get("num_output_placeholders"), &placeholders):
         return 0
     taken.in_flight = in_flight - num_scheduled
     taken.placeholders = -1
@@ -207,17 +210,17 @@ cdef int _classify(object request, object tokens, Py_ssize_t num_scheduled, tupl
         if placeholders > 0:
             taken.placeholders = placeholders - 1
         if placeholders > 0 or num_spec_tokens > 0:
-            if not _int_value(request.num_computed_tokens, &computed):
+            if not _int_value(attrs.get("num_computed_tokens"), &computed):
                 return 0
             cache_upto = computed - taken.in_flight
     elif variant == ASYNC_OVERRIDE:
         if placeholders <= 0:
             return 0
         taken.placeholders = placeholders - 1
-        if not _int_value(request.num_computed_tokens, &computed):
+        if not _int_value(attrs.get("num_computed_tokens"), &computed):
             return 0
         cache_upto = computed - taken.placeholders
-    if cache_upto >= 0 and not cache.is_noop(request.request_id, cache_upto):
+    if cache_upto >= 0 and not cache.is_noop(attrs.get("request_id"), cache_upto):
         return 0
     taken.token = <PyObject*>token
     return 1
@@ -277,6 +280,7 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
     cdef Py_ssize_t pos = 0
     cdef PyObject* key
     cdef PyObject* value
+    cdef dict attrs
     try:
         # Pass 1: read and classify; nothing is changed.
         count = 0
@@ -299,18 +303,22 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
                 continue
             row_obj = (<dict>index_of).get(req_id)
             tokens = None
-            if type(row_obj) is int and _int_value(row_obj, &row) \
-                    and 0 <= row < PyList_GET_SIZE(sampled):
+            if (type(row_obj) is int and _int_value(row_obj, &row)
+                    and 0 <= row < PyList_GET_SIZE(sampled)):
                 tokens = <object>PyList_GET_ITEM(sampled, row)
-            if tokens is not None and _classify(request, tokens, num_scheduled, kinds, variant,
-                                                max_model_len, num_spec_tokens, cache,
-                                                &taken[count]):
-                slots[i] = tokens  # the request's sampled list, for pass 2
-                taken_requests.append(request)
-                count += 1
-            else:
-                slots[i] = req_id
-                rest[req_id] = num_obj
+            # Requests are read and written through their instance dict: every
+            # attribute used is a plain instance attribute (checked on activation).
+            if tokens is not None and type(request) is kinds[0]:
+                attrs = request.__dict__
+                if _classify(attrs, tokens, num_scheduled, kinds, variant, max_model_len,
+                             num_spec_tokens, cache, &taken[count]):
+                    slots[i] = tokens  # the request's sampled list, for pass 2
+                    taken_requests.append(attrs)
+                    count += 1
+                    i += 1
+                    continue
+            slots[i] = req_id
+            rest[req_id] = num_obj
             i += 1
         if count == 0:
             return None
@@ -322,24 +330,24 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
             tokens = slots[i]
             if type(tokens) is not list:
                 continue
-            request = taken_requests[count]
+            attrs = <dict>taken_requests[count]
             token = <object>taken[count].token
-            request.num_in_flight_tokens = taken[count].in_flight
-            PyList_Append(request._output_token_ids, token)
-            PyList_Append(request._all_token_ids, token)
+            attrs["num_in_flight_tokens"] = taken[count].in_flight
+            PyList_Append(attrs["_output_token_ids"], token)
+            PyList_Append(attrs["_all_token_ids"], token)
             if taken[count].placeholders >= 0:
-                request.num_output_placeholders = taken[count].placeholders
-            events = request.events
+                attrs["num_output_placeholders"] = taken[count].placeholders
+            events = attrs.get("events")
             if events:
-                request.events = []
+                attrs["events"] = []
             else:
                 events = None
-            args[at_id] = request.request_id
+            args[at_id] = attrs.get("request_id")
             args[at_tokens] = tokens
-            args[at_stop] = request.stop_reason
+            args[at_stop] = attrs.get("stop_reason")
             args[at_events] = events
-            args[at_trace] = request.trace_headers
-            args[at_nans] = request.num_nans_in_logits
+            args[at_trace] = attrs.get("trace_headers")
+            args[at_nans] = attrs.get("num_nans_in_logits")
             slots[i] = output_type(*args)
             count += 1
         _taken += count

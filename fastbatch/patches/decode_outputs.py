@@ -93,6 +93,13 @@ COMPANION_FINGERPRINTS = {
             "vLLM 0.32.0: no lookahead",
         "41c9767374bf4affe3ccda98543b2904b7c93b46f86bf75a78559508c879eb7c":
             "vLLM 0.33.0: hashes wait for num_hash_lookahead_tokens"},
+    # Read as the fields behind them.
+    "vllm.sampling_params:SamplingParams.eos_token_id.fget": {
+        "d36cc83e1b0bb545119ed83f039007a46513c4618fdecbb4686b3d95c2f6db06":
+            "vLLM 0.32.0-0.33.0: _eos_token_id"},
+    "vllm.sampling_params:SamplingParams.num_logprobs.fget": {
+        "7445f260ebd7993e5337214997e0ed686c0ecda5109e2f4604fb2e694af7878c":
+            "vLLM 0.32.0-0.33.0: logprobs, else len(logprob_token_ids) or None"},
     "vllm.v1.structured_output:StructuredOutputManager.accept_tokens": {
         "40435b7477e1523e2a62f3c6410da11629e7003895ce447cba1e56e7899981ad":
             "vLLM 0.32.0-0.33.0"},
@@ -102,6 +109,13 @@ COMPANION_FINGERPRINTS = {
        if name.endswith(("cache_blocks", "get_num_cacheable_tokens", ":replay_boundaries"))},
 }
 VERIFIED_VERSIONS = ("0.32.0", "0.33.0")
+# What the compiled call reads or writes of a Request (plain instance attributes).
+REQUEST_ATTRIBUTES = (
+    "status", "num_stale_output_tokens", "num_in_flight_tokens", "mm_features",
+    "pooling_params", "structured_output_request", "prefill_stats", "sampling_params",
+    "_output_token_ids", "_all_token_ids", "max_tokens", "_block_hasher", "block_hashes",
+    "num_output_placeholders", "num_computed_tokens", "request_id", "events", "stop_reason",
+    "trace_headers", "num_nans_in_logits")
 
 # Bound on first use (this module imports no vLLM until then).
 _KINDS: tuple[Any, ...] | None = None
@@ -310,6 +324,16 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     _bind()
     _STOCK = method
     assert _SCHEDULERS is not None
+    # The compiled call reads and writes these through the request's instance
+    # dict: none may be a class attribute (a property, a default, a slot).
+    request_type = _KINDS[0] if _KINDS is not None else None
+    shadowed = [name for name in REQUEST_ATTRIBUTES if hasattr(request_type, name)]
+    if shadowed:
+        return f"Request class attributes {shadowed} would be bypassed"
+    missing = [name for name in REQUEST_ATTRIBUTES
+               if name not in vars(_stand_in_requests()[0])]
+    if missing:
+        return f"Request instances lack {missing}"
     # Request i samples tokens[(step + 3 * i) % 24]: a stop token (31) and EOS (2)
     # come by after several block boundaries (blocks of 4).
     tokens = [7 + index for index in range(24)]
