@@ -43,6 +43,15 @@ TOTAL_STEPS = int(os.environ.get("FASTBATCH_LOCKSTEP_STEPS", "2000"))
 STEPS_PER_WORKLOAD = max(1, TOTAL_STEPS // len(lockstep.WORKLOADS))
 
 
+@pytest.fixture(autouse=True)
+def _bound_to_vllm_afterwards():
+    """Tests here bind the pieces to stand-ins: leave them bound to vLLM's
+    method and classes, as the patch binds them."""
+    yield
+    patch.bind()
+    twin_piece.bind(patch.PATCH.original() or STOCK, patch.kinds())
+
+
 def make_fast(workload: lockstep.Workload, piece=compiled_piece):
     """A scheduler whose own KV manager answers through fastbatch's ``piece``
     (the class stays stock, so the other scheduler in this process is
