@@ -45,6 +45,7 @@ class DecodeState:
             max_model_len=4096)
         self.scheduler = lockstep.make_scheduler(workload)
         if variant == "fastbatch":
+            patch.bind()
             manager = self.scheduler.kv_cache_manager
             manager.allocate_slots = MethodType(patch.allocate_slots, manager)
         rng = random.Random(0)

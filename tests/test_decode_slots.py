@@ -12,13 +12,15 @@ boundaries, arrivals every step, the scheduler's Model Runner V2 branches).
 the report runs >= 10,000).
 
 Also: the harness reports a planted one-token difference; compiled vs twin
-on generated stand-ins (hypothesis); the guard, the activation check, bad
-input, leaks.
+on generated stand-ins (hypothesis), the method and the decision alone;
+vLLM's signature, arguments forwarded as they came; the guard, the
+activation check, bad input, leaks.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from types import MethodType, SimpleNamespace
 
@@ -30,6 +32,8 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 import fastbatch
 from fastbatch import _kernels, _reference, vllm_plugin
+from fastbatch._kernels import decode_slots as compiled_piece
+from fastbatch._reference import decode_slots as twin_piece
 from fastbatch.patches import decode_slots as patch
 from leaks import assert_no_leak
 
@@ -39,12 +43,23 @@ TOTAL_STEPS = int(os.environ.get("FASTBATCH_LOCKSTEP_STEPS", "2000"))
 STEPS_PER_WORKLOAD = max(1, TOTAL_STEPS // len(lockstep.WORKLOADS))
 
 
-def make_fast(workload: lockstep.Workload):
-    """A scheduler whose own KV manager answers through fastbatch (the class
-    stays stock, so the other scheduler in this process is untouched)."""
+@pytest.fixture(autouse=True)
+def _bound_to_vllm_afterwards():
+    """Tests here bind the pieces to stand-ins: leave them bound to vLLM's
+    method and classes, as the patch binds them."""
+    yield
+    patch.bind()
+    twin_piece.bind(patch.PATCH.original() or STOCK, patch.kinds())
+
+
+def make_fast(workload: lockstep.Workload, piece=compiled_piece):
+    """A scheduler whose own KV manager answers through fastbatch's ``piece``
+    (the class stays stock, so the other scheduler in this process is
+    untouched)."""
+    piece.bind(STOCK, patch.kinds())
     scheduler = lockstep.make_scheduler(workload)
     manager = scheduler.kv_cache_manager
-    manager.allocate_slots = MethodType(patch.allocate_slots, manager)
+    manager.allocate_slots = MethodType(piece.allocate_slots, manager)
     return scheduler
 
 
@@ -62,9 +77,11 @@ def test_lockstep_fast_path_matches_stock(workload):
 
 @pytest.mark.parametrize("workload", [lockstep.WORKLOADS[3], lockstep.WORKLOADS[6]],
                          ids=lambda w: w.name)
-def test_lockstep_with_the_pure_python_twin(monkeypatch, workload):
-    monkeypatch.setattr(fastbatch, "allocate_slots_is_noop", _reference.allocate_slots_is_noop)
-    lockstep.Lockstep(workload, seed=5, make_fast=make_fast).run(60)
+def test_lockstep_with_the_pure_python_twin(workload):
+    twin_piece.reset_stats()
+    lockstep.Lockstep(workload, seed=5,
+                      make_fast=lambda w: make_fast(w, twin_piece)).run(60)
+    assert twin_piece.stats()["scheduler_noop_allocations"] > 0
 
 
 def test_harness_reports_a_planted_one_token_difference():
@@ -108,7 +125,9 @@ def test_stock_against_stock_is_equal():
 
 
 # Stand-ins for the pure decision (compiled vs twin); the real path is the
-# lockstep above.
+# lockstep above.  The pinned kinds' stand-ins have only the fields the
+# compiled call reads directly (no accessor to call), the others only the
+# accessors.
 class _Manager:
     pass
 
@@ -121,72 +140,185 @@ class _Single:
     pass
 
 
+class _Pool:
+    pass
+
+
+class _Request:
+    pass
+
+
+class _Spec:
+    pass
+
+
 RUNNING, WAITING = object(), object()
-KINDS = (_Manager, (_Coordinator,), _Single, RUNNING)
+KINDS = (_Manager, (_Coordinator,), _Single, _Pool, _Request, _Spec, RUNNING)
 
 
 def _stand_in(num_blocks, num_computed, num_new, max_model_len, block_size, hash_block_size,
-              num_cached, num_hashes, num_tokens, reprefillable, free, caching, cacheable,
-              running, has_blocks, partial_hit):
-    pool = SimpleNamespace(hash_block_size=hash_block_size, get_num_free_blocks=lambda: free)
+              num_cached, num_tokens, reprefillable, free, caching, cacheable, running,
+              has_blocks, partial_hit, pinned=(True, True, True)):
+    pinned_pool, pinned_request, pinned_spec = pinned
+    if pinned_pool:
+        pool = _Pool()
+        pool.free_block_queue = SimpleNamespace(num_free_blocks=free)
+    else:
+        pool = SimpleNamespace(get_num_free_blocks=lambda: free)
+    pool.hash_block_size = hash_block_size
     single = _Single()
     single.req_to_blocks = {"r": [object()] * num_blocks} if has_blocks else {}
     single._partial_hit_reqs = {"r": None} if partial_hit else {}
     single.num_cached_block = {"r": num_cached}
     single.block_size, single.block_pool, single.enable_caching = block_size, pool, caching
-    single.kv_cache_spec = SimpleNamespace(prefix_cacheable=cacheable)
+    if pinned_spec and cacheable:
+        single.kv_cache_spec = _Spec()
+    else:
+        single.kv_cache_spec = SimpleNamespace(prefix_cacheable=cacheable)
     coordinator = _Coordinator()
     coordinator.single_type_managers = (single,)
     coordinator.num_reprefillable_tokens = reprefillable
     manager = _Manager()
     manager.coordinator, manager.block_pool = coordinator, pool
     manager.max_model_len = max_model_len
-    request = SimpleNamespace(request_id="r", status=RUNNING if running else WAITING,
-                              num_computed_tokens=num_computed, num_tokens=num_tokens,
-                              block_hashes=[0] * num_hashes)
+    manager.empty_kv_cache_blocks = SimpleNamespace(blocks=((),))
+    request = _Request() if pinned_request else SimpleNamespace(num_tokens=num_tokens)
+    if pinned_request:
+        request._all_token_ids = [0] * num_tokens
+    request.request_id, request.status = "r", RUNNING if running else WAITING
+    request.num_computed_tokens = num_computed
     return manager, request
+
+
+def _recording_stock(calls):
+    def stock(*args):
+        calls.append(args)
+        return calls
+
+    return stock
 
 
 @given(st.integers(0, 6), st.integers(0, 40), st.integers(-1, 5), st.integers(1, 48),
        st.sampled_from([1, 4, 16]), st.sampled_from([4, 16]), st.integers(0, 6),
-       st.integers(0, 8), st.integers(0, 48), st.integers(0, 2), st.integers(0, 3),
+       st.integers(0, 48), st.integers(0, 2), st.integers(0, 3),
        st.booleans(), st.booleans(), st.booleans(), st.booleans(), st.booleans(),
-       st.integers(0, 4))
+       st.integers(0, 4), st.tuples(st.booleans(), st.booleans(), st.booleans()),
+       st.sampled_from([0, 1, 0.0, False, None]))
 def test_compiled_matches_twin(num_blocks, num_computed, num_new, max_model_len, block_size,
-                               hash_block_size, num_cached, num_hashes, num_tokens,
-                               reprefillable, free, caching, cacheable, running, has_blocks,
-                               partial_hit, reserved):
+                               hash_block_size, num_cached, num_tokens, reprefillable, free,
+                               caching, cacheable, running, has_blocks, partial_hit, reserved,
+                               pinned, lookahead):
     manager, request = _stand_in(num_blocks, num_computed, num_new, max_model_len, block_size,
-                                 hash_block_size, num_cached, num_hashes, num_tokens,
-                                 reprefillable, free, caching, cacheable, running,
-                                 has_blocks, partial_hit)
+                                 hash_block_size, num_cached, num_tokens, reprefillable, free,
+                                 caching, cacheable, running, has_blocks, partial_hit, pinned)
     expected = _reference.allocate_slots_is_noop(manager, request, num_new, reserved, KINDS)
     assert _kernels.allocate_slots_is_noop(manager, request, num_new, reserved,
                                            KINDS) is expected
+    # The method: the same decision, and vLLM's method (here a recorder) otherwise.
+    results = []
+    for piece in (compiled_piece, twin_piece):
+        calls = []
+        piece.bind(_recording_stock(calls), KINDS)
+        result = piece.allocate_slots(manager, request, num_new, reserved_blocks=reserved,
+                                      num_lookahead_tokens=lookahead)
+        results.append((result is manager.empty_kv_cache_blocks, calls))
+    assert results[0] == results[1]
+    assert results[0][0] is (expected and type(lookahead) is int and lookahead == 0)
+
+
+def _defaults_stand_in():
+    return _stand_in(1, 3, 1, 64, 4, 4, 1, 4, 0, 3, True, True, True, True, False)
+
+
+@pytest.mark.parametrize("piece", [compiled_piece, twin_piece], ids=["compiled", "twin"])
+def test_signature_is_vllms(piece):
+    def parameters(function):
+        return [(p.name, p.kind, p.default)
+                for p in inspect.signature(function).parameters.values()]
+
+    assert parameters(piece.allocate_slots) == parameters(STOCK)
+
+
+@pytest.mark.parametrize("piece", [compiled_piece, twin_piece], ids=["compiled", "twin"])
+def test_every_argument_is_forwarded_as_it_came(piece):
+    manager, request = _defaults_stand_in()
+    calls = []
+    piece.bind(_recording_stock(calls), KINDS)
+    assert piece.allocate_slots(manager, request, 1) is manager.empty_kv_cache_blocks
+    assert calls == []
+    defaults = [p.default for p in inspect.signature(STOCK).parameters.values()][3:]
+    # One argument off its default at a time (as a truthy or other object):
+    # vLLM's method answers, with every argument as given.
+    names = list(inspect.signature(STOCK).parameters)[3:]
+    others = {"new_computed_blocks": object(), "delay_cache_blocks": 0,
+              "full_sequence_must_fit": None, "num_lookahead_tokens": 0.0,
+              "num_new_computed_tokens": 1, "num_external_computed_tokens": True,
+              "num_encoder_tokens": 2}
+    for name, value in others.items():
+        calls.clear()
+        assert piece.allocate_slots(manager, request, 1, **{name: value}) is calls
+        expected = [value if other == name else default
+                    for other, default in zip(names, defaults, strict=True)]
+        assert calls == [(manager, request, 1, *expected)]
+        assert calls[0][3 + names.index(name)] is value
+    # The two arguments that do not matter for a running request: still a no-op.
+    calls.clear()
+    assert piece.allocate_slots(manager, request, 1, has_scheduled_reqs=False,
+                                skip_zeroing_group_ids=(0,)) is manager.empty_kv_cache_blocks
+    assert calls == []
+    sentinel = object()
+    request.status = WAITING
+    assert piece.allocate_slots(manager, request, 1, 0, None, 0, 0, False, 0, False, 0,
+                                sentinel, ()) is calls
+    assert calls[0][-2] is sentinel
 
 
 @pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
 def test_bad_input(implementation):
-    manager, request = _stand_in(1, 3, 1, 64, 4, 4, 1, 1, 4, 0, 3, True, True, True, True,
-                                 False)
+    manager, request = _defaults_stand_in()
     assert implementation.allocate_slots_is_noop(manager, request, 1, 0, KINDS) is True
-    with pytest.raises(ValueError, match="kinds must have 4 items"):
+    with pytest.raises(ValueError, match="kinds must have 7 items"):
         implementation.allocate_slots_is_noop(manager, request, 1, 0, KINDS[:3])
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="kinds must be a tuple"):
         implementation.allocate_slots_is_noop(manager, request, 1, 0, list(KINDS))
+    with pytest.raises(TypeError, match="kinds must hold types"):
+        implementation.allocate_slots_is_noop(manager, request, 1, 0,
+                                              (_Manager, (_Coordinator,), 3, *KINDS[3:]))
     # Anything not exactly vLLM's plain kinds, or not an int: not a no-op (stock runs).
     assert implementation.allocate_slots_is_noop(object(), request, 1, 0, KINDS) is False
     assert implementation.allocate_slots_is_noop(manager, request, 1.0, 0, KINDS) is False
     assert implementation.allocate_slots_is_noop(manager, request, True, 0, KINDS) is False
+    assert implementation.allocate_slots_is_noop(manager, request, 2**40, 0, KINDS) is False
+    assert implementation.allocate_slots_is_noop(manager, request, 1, -2**40, KINDS) is False
+
+
+@pytest.mark.parametrize("piece", [compiled_piece, twin_piece], ids=["compiled", "twin"])
+def test_bind_refuses_bad_input_and_keeps_the_binding(piece):
+    manager, request = _defaults_stand_in()
+    calls = []
+    piece.bind(_recording_stock(calls), KINDS)
+    with pytest.raises(TypeError, match="stock must be callable"):
+        piece.bind(None, KINDS)
+    with pytest.raises(ValueError, match="kinds must have 7 items"):
+        piece.bind(_recording_stock([]), KINDS[:6])
+    request.status = WAITING
+    assert piece.allocate_slots(manager, request, 1) is calls
 
 
 def test_no_leaks():
-    manager, request = _stand_in(1, 3, 1, 64, 4, 4, 1, 1, 4, 0, 3, True, True, True, True,
-                                 False)
+    manager, request = _defaults_stand_in()
     for _ in range(100):
         _kernels.allocate_slots_is_noop(manager, request, 1, 0, KINDS)
     assert_no_leak(lambda: _kernels.allocate_slots_is_noop(manager, request, 1, 0, KINDS),
                    [manager, request, KINDS], 2000)
+    compiled_piece.bind(lambda *args: None, KINDS)
+    assert_no_leak(lambda: compiled_piece.allocate_slots(manager, request, 1),
+                   [manager, request], 2000)
+    waiting = SimpleNamespace(**vars(request))
+    waiting.status = WAITING
+    assert_no_leak(lambda: compiled_piece.allocate_slots(manager, waiting, 1, 0, None, 0,
+                                                         0, False, 0, False, 0, True, ()),
+                   [manager, waiting], 2000)
 
 
 def test_guard_accepts_this_vllm_and_refuses_a_changed_method():
@@ -198,10 +330,13 @@ def test_guard_accepts_this_vllm_and_refuses_a_changed_method():
     assert patch.overridden_methods() == []
 
 
-def test_activation_check_passes_and_refuses_a_wrong_kernel(monkeypatch):
+def test_activation_check_passes_and_refuses_a_wrong_kernel():
     assert patch.activation_check(STOCK, patch.allocate_slots) is None
-    monkeypatch.setattr(fastbatch, "allocate_slots_is_noop", lambda *args: True)
-    assert patch.activation_check(STOCK, patch.allocate_slots) is not None
+
+    def always_empty(self, request, num_new_tokens, **ignored):
+        return self.empty_kv_cache_blocks
+
+    assert patch.activation_check(STOCK, always_empty) is not None
 
 
 def test_plugin_applies_and_reverts(monkeypatch):

@@ -1,12 +1,24 @@
 # Compiler directives are set in setup.py (one place, with a debug switch).
-"""Compiled piece ``scheduler``: is vLLM's ``KVCacheManager.allocate_slots`` a no-op here?
+"""Compiled piece ``scheduler``: vLLM's ``KVCacheManager.allocate_slots`` with its no-op in C.
 
-The same decision as ``fastbatch._reference.decode_slots`` (see its module
-note for why each condition), read with C-level type checks and dict
-lookups.  It reads and never writes.
+``allocate_slots`` is the method itself, bound on vLLM's class by the patch
+(a Cython function binds like a Python one: ``binding`` is on, Cython 3's
+default), with vLLM's signature and defaults.  One compiled call checks the
+defaults, decides whether vLLM's method would return ``empty_kv_cache_blocks``
+and change nothing, and then returns that object, or calls vLLM's method
+(``bind``) with every argument as it came.  The decision is the one of
+``fastbatch._reference.decode_slots`` (see its module note for why each
+condition), read with C-level type checks, dict lookups and reads of the
+fields that the pinned vLLM methods and properties would return (no Python
+call on the common path).  It reads and never writes.
+
+``allocate_slots_is_noop`` is the decision alone, with the kinds passed in.
 """
 
+from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
+
+from fastbatch._kernels._common cimport PyLong_CheckExact, long_as_compact
 
 cdef uint64_t _noop_allocations = 0
 cdef uint64_t _stock_allocations = 0
@@ -24,19 +36,92 @@ def reset_stats():
     _noop_allocations = _stock_allocations = 0
 
 
+cdef class _Kinds:
+    """vLLM's classes on the fast path (see ``bind``), unpacked once."""
+
+    # Types (object: vLLM's have metaclasses, which a ``type`` field refuses).
+    cdef object manager
+    cdef tuple coordinators
+    cdef object single
+    cdef object pool
+    cdef object request
+    cdef object spec
+    cdef object running
+
+
+cdef _Kinds _unpack_kinds(object kinds):
+    if not isinstance(kinds, tuple):
+        raise TypeError(f"kinds must be a tuple, got {type(kinds).__name__}")
+    if len(<tuple>kinds) != 7:
+        raise ValueError(f"kinds must have 7 items, got {len(<tuple>kinds)}")
+    manager, coordinators, single, pool, request, spec, running = <tuple>kinds
+    if not isinstance(coordinators, tuple):
+        raise TypeError(f"kinds[1] must be a tuple of types, got {type(coordinators).__name__}")
+    for position, kind in enumerate((manager, *coordinators, single, pool, request, spec)):
+        if not isinstance(kind, type):
+            raise TypeError(f"kinds must hold types (and RUNNING last), got "
+                            f"{type(kind).__name__} at {position}")
+    cdef _Kinds unpacked = _Kinds.__new__(_Kinds)
+    unpacked.manager, unpacked.coordinators, unpacked.single = manager, coordinators, single
+    unpacked.pool, unpacked.request, unpacked.spec = pool, request, spec
+    unpacked.running = running
+    return unpacked
+
+
+# Set by bind(): vLLM's own method and the kinds of the vLLM in use.
+cdef object _stock = None
+cdef _Kinds _bound_kinds = None
+
+
+def bind(stock, kinds):
+    """Make ``allocate_slots`` answer for this vLLM: ``stock`` is vLLM's own
+    ``KVCacheManager.allocate_slots`` (every call that is not a no-op goes
+    there), ``kinds`` as for ``allocate_slots_is_noop``."""
+    global _stock, _bound_kinds
+    if not callable(stock):
+        raise TypeError(f"stock must be callable, got {type(stock).__name__}")
+    _bound_kinds = _unpack_kinds(kinds)
+    _stock = stock
+
+
+cdef inline bint _as_index(object value, Py_ssize_t* out) noexcept:
+    """True, with the value, for an exact int of up to one digit (every count
+    this path sees); False for anything else (then vLLM's code decides)."""
+    cdef long long number
+    if not PyLong_CheckExact(<PyObject*>value):
+        return False
+    if not long_as_compact(<PyObject*>value, &number):
+        return False
+    out[0] = <Py_ssize_t>number
+    return True
+
+
+cdef inline bint _is_int_zero(object value) noexcept:
+    cdef Py_ssize_t number
+    return _as_index(value, &number) and number == 0
+
+
 cdef bint _is_noop(object manager, object request, object num_new_tokens,
-                   object reserved_blocks, tuple kinds) except -1:
-    manager_type, coordinator_types, single_type, running = kinds
-    if type(manager) is not manager_type:
+                   object reserved_blocks, _Kinds kinds) except -1:
+    cdef Py_ssize_t new_tokens, reserved, computed, max_model_len, block_size
+    cdef Py_ssize_t free_blocks, hash_block_size, num_tokens, reprefillable, num_cached
+    cdef Py_ssize_t total_computed, need_slots, cacheable
+    if type(manager) is not kinds.manager:
+        return False
+    if not (_as_index(num_new_tokens, &new_tokens) and _as_index(reserved_blocks, &reserved)):
         return False
     coordinator = manager.coordinator
-    if type(coordinator) not in coordinator_types:
+    coordinator_type = type(coordinator)
+    for kind in kinds.coordinators:
+        if coordinator_type is kind:
+            break
+    else:
         return False
     singles = coordinator.single_type_managers
     if type(singles) is not tuple or len(<tuple>singles) != 1:
         return False
     single = (<tuple>singles)[0]
-    if type(single) is not single_type or request.status is not running:
+    if type(single) is not kinds.single or request.status is not kinds.running:
         return False
     request_id = request.request_id
     req_to_blocks = single.req_to_blocks
@@ -45,57 +130,99 @@ cdef bint _is_noop(object manager, object request, object num_new_tokens,
     blocks = (<dict>req_to_blocks).get(request_id)
     if type(blocks) is not list or request_id in single._partial_hit_reqs:
         return False
-    num_computed = request.num_computed_tokens
-    max_model_len_obj = manager.max_model_len
-    block_size_obj = single.block_size
-    if (type(num_new_tokens) is not int or type(reserved_blocks) is not int
-            or type(num_computed) is not int or type(max_model_len_obj) is not int
-            or type(block_size_obj) is not int):
+    if not (_as_index(request.num_computed_tokens, &computed)
+            and _as_index(manager.max_model_len, &max_model_len)
+            and _as_index(single.block_size, &block_size)):
         return False
-    # Values beyond Py_ssize_t raise OverflowError: not a case vLLM produces.
-    cdef Py_ssize_t new_tokens = num_new_tokens
-    cdef Py_ssize_t computed = num_computed
-    cdef Py_ssize_t max_model_len = max_model_len_obj
-    cdef Py_ssize_t block_size = block_size_obj
-    cdef Py_ssize_t reserved = reserved_blocks
     if new_tokens <= 0 or block_size <= 0 or computed < 0:
         return False
-    cdef Py_ssize_t total_computed = min(computed, max_model_len)
-    cdef Py_ssize_t need_slots = min(total_computed + new_tokens, max_model_len)
+    total_computed = min(computed, max_model_len)
+    need_slots = min(total_computed + new_tokens, max_model_len)
     if need_slots < 0:
         return False
     # vLLM's cdiv, for a count >= 0 and a block size > 0.
     if (need_slots + block_size - 1) // block_size > len(<list>blocks):
         return False
     pool = single.block_pool
-    if pool is not manager.block_pool or reserved > pool.get_num_free_blocks():
+    if pool is not manager.block_pool:
         return False
-    cdef Py_ssize_t hash_block_size, to_cache, cacheable
+    # BlockPool.get_num_free_blocks (pinned) returns this field.
+    free = (pool.free_block_queue.num_free_blocks if type(pool) is kinds.pool
+            else pool.get_num_free_blocks())
+    if not _as_index(free, &free_blocks) or reserved > free_blocks:
+        return False
     if single.enable_caching:
-        hash_block_size = pool.hash_block_size
+        if not _as_index(pool.hash_block_size, &hash_block_size):
+            return False
         if block_size != hash_block_size:
             return False
-        if single.kv_cache_spec.prefix_cacheable:
-            to_cache = min(total_computed + new_tokens, <Py_ssize_t>request.num_tokens)
-            cacheable = max(0, to_cache - <Py_ssize_t>coordinator.num_reprefillable_tokens)
+        spec = single.kv_cache_spec
+        # The pinned KVCacheSpec.prefix_cacheable of vLLM's full-attention spec is True.
+        if type(spec) is kinds.spec or spec.prefix_cacheable:
+            if type(request) is kinds.request:
+                # Request.num_tokens (pinned) is the length of this list.
+                num_tokens = len(request._all_token_ids)
+            elif not _as_index(request.num_tokens, &num_tokens):
+                return False
+            if not _as_index(coordinator.num_reprefillable_tokens, &reprefillable):
+                return False
+            cached = single.num_cached_block
+            if not isinstance(cached, dict):
+                return False
+            if not _as_index((<dict>cached).get(request_id, 0), &num_cached):
+                return False
+            cacheable = max(0, min(total_computed + new_tokens, num_tokens) - reprefillable)
             # vLLM 0.32.0's count of full blocks; 0.33.0's is never larger.
-            if <Py_ssize_t>single.num_cached_block.get(request_id, 0) < cacheable // block_size:
+            if num_cached < cacheable // block_size:
                 return False
     return True
 
 
-def allocate_slots_is_noop(manager, request, num_new_tokens, reserved_blocks, tuple kinds):
+def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
+                   new_computed_blocks=None, num_lookahead_tokens=0,
+                   num_external_computed_tokens=0, delay_cache_blocks=False,
+                   num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0,
+                   has_scheduled_reqs=True, skip_zeroing_group_ids=()):
+    """fastbatch's ``KVCacheManager.allocate_slots`` (vLLM's signature and defaults).
+
+    ``self.empty_kv_cache_blocks`` where vLLM's method would return it and
+    change nothing: every argument but ``num_new_tokens`` and
+    ``reserved_blocks`` at its default (``has_scheduled_reqs`` and
+    ``skip_zeroing_group_ids`` do not matter for a running request without new
+    computed blocks) and ``allocate_slots_is_noop``; vLLM's method (``bind``)
+    with the same arguments otherwise.
+    """
+    global _noop_allocations, _stock_allocations
+    if _stock is None:
+        raise RuntimeError("fastbatch's allocate_slots is not bound to vLLM's method "
+                           "(fastbatch.patches.decode_slots.bind() does it)")
+    if (new_computed_blocks is None and _is_int_zero(num_new_computed_tokens)
+            and _is_int_zero(num_lookahead_tokens)
+            and _is_int_zero(num_external_computed_tokens)
+            and _is_int_zero(num_encoder_tokens) and delay_cache_blocks is False
+            and full_sequence_must_fit is False
+            and _is_noop(self, request, num_new_tokens, reserved_blocks, _bound_kinds)):
+        _noop_allocations += 1
+        return self.empty_kv_cache_blocks
+    _stock_allocations += 1
+    return _stock(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                  num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
+                  num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
+                  has_scheduled_reqs, skip_zeroing_group_ids)
+
+
+def allocate_slots_is_noop(manager, request, num_new_tokens, reserved_blocks, kinds):
     """True if vLLM's ``manager.allocate_slots(request, num_new_tokens,
     reserved_blocks=reserved_blocks)`` would return ``empty_kv_cache_blocks``
     and change no state (see ``fastbatch._reference.decode_slots``).
 
     ``kinds`` is ``(KVCacheManager, (coordinator types...),
-    FullAttentionManager, RequestStatus.RUNNING)`` of the vLLM in use.
+    FullAttentionManager, BlockPool, Request, FullAttentionSpec,
+    RequestStatus.RUNNING)`` of the vLLM in use.  Counted as
+    ``allocate_slots`` counts its calls.
     """
     global _noop_allocations, _stock_allocations
-    if len(kinds) != 4:
-        raise ValueError(f"kinds must have 4 items, got {len(kinds)}")
-    if _is_noop(manager, request, num_new_tokens, reserved_blocks, kinds):
+    if _is_noop(manager, request, num_new_tokens, reserved_blocks, _unpack_kinds(kinds)):
         _noop_allocations += 1
         return True
     _stock_allocations += 1

@@ -1,5 +1,11 @@
 """Pure-Python twin of the compiled piece ``scheduler`` (``fastbatch._kernels.decode_slots``).
 
+``allocate_slots`` is vLLM's ``KVCacheManager.allocate_slots`` (same
+signature and defaults) answering its no-op case itself: it returns
+``self.empty_kv_cache_blocks`` where ``allocate_slots_is_noop`` says yes and
+every other argument is at its default, and calls vLLM's method (``bind``)
+with the same arguments otherwise.
+
 ``allocate_slots_is_noop`` says whether vLLM's ``KVCacheManager.allocate_slots``,
 called for ``request`` with ``num_new_tokens`` and every other argument at its
 default (``reserved_blocks`` aside), would return ``empty_kv_cache_blocks``
@@ -25,6 +31,14 @@ Why each condition (read off vLLM 0.33.0's code, pinned by the patch's guard):
   (``cache_blocks`` returns early).  vLLM 0.32.0 counts every full block of
   cacheable tokens, 0.33.0 only those whose hashes exist (never more): the
   0.32.0 count is used for both, so a yes is right for either.
+
+Where the kinds pin vLLM's own classes, the compiled piece reads the fields
+that vLLM's pinned accessors return instead of calling them:
+``BlockPool.get_num_free_blocks`` is ``free_block_queue.num_free_blocks``,
+``Request.num_tokens`` is ``len(_all_token_ids)``, and
+``FullAttentionSpec.prefix_cacheable`` is ``True``.  Every count must be an
+exact int of one CPython digit (below 2**30 in size, as every count here is);
+anything else is not a no-op and vLLM's code decides.
 """
 
 from __future__ import annotations
@@ -36,14 +50,52 @@ from fastbatch._reference._common import Counters
 _COUNTERS = Counters(("scheduler_noop_allocations", "scheduler_stock_allocations"))
 stats, reset_stats = _COUNTERS.stats, _COUNTERS.reset_stats
 
+# The compiled piece reads counts as one-digit ints (CPython's compact ints).
+_INDEX_LIMIT = 1 << 30
+
+# Set by bind(): vLLM's own method, and the kinds of the vLLM in use.
+_BOUND: tuple[Any, tuple[Any, ...]] | None = None
+
+
+def _unpack_kinds(kinds: Any) -> tuple[Any, ...]:
+    if not isinstance(kinds, tuple):
+        raise TypeError(f"kinds must be a tuple, got {type(kinds).__name__}")
+    if len(kinds) != 7:
+        raise ValueError(f"kinds must have 7 items, got {len(kinds)}")
+    manager, coordinators, single, pool, request, spec, _running = kinds
+    if not isinstance(coordinators, tuple):
+        raise TypeError(f"kinds[1] must be a tuple of types, got {type(coordinators).__name__}")
+    for position, kind in enumerate((manager, *coordinators, single, pool, request, spec)):
+        if not isinstance(kind, type):
+            raise TypeError(f"kinds must hold types (and RUNNING last), got "
+                            f"{type(kind).__name__} at {position}")
+    return kinds
+
+
+def bind(stock: Any, kinds: Any) -> None:
+    """Make ``allocate_slots`` answer for this vLLM: ``stock`` is vLLM's own
+    ``KVCacheManager.allocate_slots`` (every call that is not a no-op goes
+    there), ``kinds`` as for ``allocate_slots_is_noop``."""
+    global _BOUND
+    if not callable(stock):
+        raise TypeError(f"stock must be callable, got {type(stock).__name__}")
+    _BOUND = (stock, _unpack_kinds(kinds))
+
+
+def _is_index(value: Any) -> bool:
+    return type(value) is int and -_INDEX_LIMIT < value < _INDEX_LIMIT
+
 
 def _is_noop(manager: Any, request: Any, num_new_tokens: Any, reserved_blocks: Any,
-             kinds: tuple[Any, Any, Any, Any]) -> bool:
-    manager_type, coordinator_types, single_type, running = kinds
+             kinds: tuple[Any, ...]) -> bool:
+    (manager_type, coordinator_types, single_type, pool_type, request_type, spec_type,
+     running) = kinds
     if type(manager) is not manager_type:
         return False
+    if not (_is_index(num_new_tokens) and _is_index(reserved_blocks)):
+        return False
     coordinator = manager.coordinator
-    if type(coordinator) not in coordinator_types:
+    if not any(type(coordinator) is kind for kind in coordinator_types):
         return False
     singles = coordinator.single_type_managers
     if type(singles) is not tuple or len(singles) != 1:
@@ -55,14 +107,13 @@ def _is_noop(manager: Any, request: Any, num_new_tokens: Any, reserved_blocks: A
     req_to_blocks = single.req_to_blocks
     if not isinstance(req_to_blocks, dict):
         return False
-    blocks = req_to_blocks.get(request_id)
+    blocks = dict.get(req_to_blocks, request_id)
     if type(blocks) is not list or request_id in single._partial_hit_reqs:
         return False
     num_computed = request.num_computed_tokens
     max_model_len = manager.max_model_len
     block_size = single.block_size
-    if not all(type(value) is int for value in (num_new_tokens, reserved_blocks,
-                                                num_computed, max_model_len, block_size)):
+    if not all(_is_index(value) for value in (num_computed, max_model_len, block_size)):
         return False
     if num_new_tokens <= 0 or block_size <= 0 or num_computed < 0:
         return False
@@ -74,35 +125,90 @@ def _is_noop(manager: Any, request: Any, num_new_tokens: Any, reserved_blocks: A
     if (need_slots + block_size - 1) // block_size > len(blocks):
         return False
     pool = single.block_pool
-    if pool is not manager.block_pool or reserved_blocks > pool.get_num_free_blocks():
+    if pool is not manager.block_pool:
+        return False
+    # BlockPool.get_num_free_blocks (pinned) returns this field.
+    free = (pool.free_block_queue.num_free_blocks if type(pool) is pool_type
+            else pool.get_num_free_blocks())
+    if not _is_index(free) or reserved_blocks > free:
         return False
     if single.enable_caching:
         hash_block_size = pool.hash_block_size
-        if block_size != hash_block_size:
+        if not _is_index(hash_block_size) or block_size != hash_block_size:
             return False
-        if single.kv_cache_spec.prefix_cacheable:
-            to_cache = min(total_computed + num_new_tokens, request.num_tokens)
-            cacheable = max(0, to_cache - coordinator.num_reprefillable_tokens)
-            num_full = cacheable // block_size
-            if single.num_cached_block.get(request_id, 0) < num_full:
+        spec = single.kv_cache_spec
+        # The pinned KVCacheSpec.prefix_cacheable of vLLM's full-attention spec is True.
+        if type(spec) is spec_type or spec.prefix_cacheable:
+            # Request.num_tokens (pinned) is the length of this list.
+            num_tokens = (len(request._all_token_ids) if type(request) is request_type
+                          else request.num_tokens)
+            reprefillable = coordinator.num_reprefillable_tokens
+            cached = single.num_cached_block
+            if not (_is_index(num_tokens) and _is_index(reprefillable)
+                    and isinstance(cached, dict)):
+                return False
+            num_cached = dict.get(cached, request_id, 0)
+            if not _is_index(num_cached):
+                return False
+            to_cache = min(total_computed + num_new_tokens, num_tokens)
+            cacheable = max(0, to_cache - reprefillable)
+            # vLLM 0.32.0's count of full blocks; 0.33.0's is never larger.
+            if num_cached < cacheable // block_size:
                 return False
     return True
 
 
+def _is_int_zero(value: Any) -> bool:
+    return type(value) is int and value == 0
+
+
+def allocate_slots(self: Any, request: Any, num_new_tokens: int,
+                   num_new_computed_tokens: int = 0, new_computed_blocks: Any = None,
+                   num_lookahead_tokens: int = 0, num_external_computed_tokens: int = 0,
+                   delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
+                   full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
+                   has_scheduled_reqs: bool = True,
+                   skip_zeroing_group_ids: tuple[int, ...] = ()) -> Any:
+    """fastbatch's ``KVCacheManager.allocate_slots`` (vLLM's signature and defaults).
+
+    ``self.empty_kv_cache_blocks`` where vLLM's method would return it and
+    change nothing: every argument but ``num_new_tokens`` and
+    ``reserved_blocks`` at its default (``has_scheduled_reqs`` and
+    ``skip_zeroing_group_ids`` do not matter for a running request without new
+    computed blocks) and ``allocate_slots_is_noop``; vLLM's method (``bind``)
+    with the same arguments otherwise.
+    """
+    if _BOUND is None:
+        raise RuntimeError("fastbatch's allocate_slots is not bound to vLLM's method "
+                           "(fastbatch.patches.decode_slots.bind() does it)")
+    stock, kinds = _BOUND
+    if (new_computed_blocks is None and _is_int_zero(num_new_computed_tokens)
+            and _is_int_zero(num_lookahead_tokens)
+            and _is_int_zero(num_external_computed_tokens)
+            and _is_int_zero(num_encoder_tokens) and delay_cache_blocks is False
+            and full_sequence_must_fit is False
+            and _is_noop(self, request, num_new_tokens, reserved_blocks, kinds)):
+        _COUNTERS.values["scheduler_noop_allocations"] += 1
+        return self.empty_kv_cache_blocks
+    _COUNTERS.values["scheduler_stock_allocations"] += 1
+    return stock(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                 num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
+                 num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
+                 has_scheduled_reqs, skip_zeroing_group_ids)
+
+
 def allocate_slots_is_noop(manager: Any, request: Any, num_new_tokens: Any,
-                           reserved_blocks: Any, kinds: tuple[Any, Any, Any, Any]) -> bool:
+                           reserved_blocks: Any, kinds: tuple[Any, ...]) -> bool:
     """True if vLLM's ``manager.allocate_slots(request, num_new_tokens,
     reserved_blocks=reserved_blocks)`` would return ``empty_kv_cache_blocks``
     and change no state.
 
     ``kinds`` is ``(KVCacheManager, (coordinator types...),
-    FullAttentionManager, RequestStatus.RUNNING)`` of the vLLM in use.
+    FullAttentionManager, BlockPool, Request, FullAttentionSpec,
+    RequestStatus.RUNNING)`` of the vLLM in use.  Counted as
+    ``allocate_slots`` counts its calls.
     """
-    if not isinstance(kinds, tuple):
-        raise TypeError(f"kinds must be a tuple, got {type(kinds).__name__}")
-    if len(kinds) != 4:
-        raise ValueError(f"kinds must have 4 items, got {len(kinds)}")
-    noop = _is_noop(manager, request, num_new_tokens, reserved_blocks, kinds)
+    noop = _is_noop(manager, request, num_new_tokens, reserved_blocks, _unpack_kinds(kinds))
     _COUNTERS.values["scheduler_noop_allocations" if noop
                      else "scheduler_stock_allocations"] += 1
     return noop

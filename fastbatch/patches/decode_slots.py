@@ -2,13 +2,16 @@
 
 What is replaced: the KV-cache manager's slot allocation, which the scheduler
 calls once per running request per step (``Scheduler.schedule``), and once
-per newly admitted request.  The replacement answers at once, with vLLM's own
-``empty_kv_cache_blocks``, when one compiled call
-(``fastbatch.allocate_slots_is_noop``) finds that vLLM's method would return
-exactly that and change nothing: a RUNNING request, one full-attention KV
-group, every other argument at its default, no new block needed, nothing new
-to cache.  That is the plain decode step, 15 steps out of 16 with blocks of
-16 tokens.  Every other call runs vLLM's method, unchanged.
+per newly admitted request.  The replacement is one compiled function
+(``fastbatch._kernels.decode_slots.allocate_slots``, bound on the class as
+the method itself, vLLM's signature and defaults): it answers at once, with
+vLLM's own ``empty_kv_cache_blocks``, when it finds that vLLM's method would
+return exactly that and change nothing (the decision of
+``fastbatch.allocate_slots_is_noop``): a RUNNING request, one full-attention
+KV group, every other argument at its default, no new block needed, nothing
+new to cache.  That is the plain decode step, 15 steps out of 16 with blocks
+of 16 tokens.  Every other call runs vLLM's method, unchanged, with the same
+arguments.
 
 Why: in a decode step stock walks the manager, the coordinator and the
 single-type manager (remove skipped blocks, count blocks to allocate,
@@ -26,7 +29,9 @@ Safety: see ``fastbatch.patches._patch``.  The guard pins the target and
 every vLLM function on the path the fast answer stands in for (the
 coordinator's and the single-type manager's allocation, block counting,
 skipped-block removal and caching, ``replay_boundaries``, the block pool's
-free count); the activation check also refuses when the coordinator or the
+free count, ``Request.num_tokens`` and the full-attention spec's
+``prefix_cacheable``, whose results the compiled call reads straight from
+the fields they return); the activation check also refuses when the coordinator or the
 full-attention manager class overrides any of those, and runs stock and
 fastbatch side by side on two small real KV-cache managers (prefix caching
 on and off, across block boundaries).  ``FASTBATCH_DISABLE=scheduler``
@@ -89,6 +94,11 @@ COMPANION_FINGERPRINTS = {
         "eccffa40955d947e3cf48b0ffce6d4d91a2f18bbbba3f8aa3c67b8a1fe22bb2e": "vLLM 0.32.0-0.33.0"},
     "vllm.v1.core.block_pool:BlockPool.get_num_free_blocks": {
         "524e12794b92106b07b80456eef44ede75be423234913cd3eb6ff91152b614d3": "vLLM 0.32.0-0.33.0"},
+    # Properties: their getters (the compiled call reads what they return).
+    "vllm.v1.request:Request.num_tokens.fget": {
+        "d70392fb2938c5c907af6d7176b8ccb116027a931998fea6f5a0ebff08f41a63": "vLLM 0.32.0-0.33.0"},
+    "vllm.v1.kv_cache_interface:FullAttentionSpec.prefix_cacheable.fget": {
+        "c00daac6f107eb5f6024f5d915afe985a58e00aad3b1ee6ba3e6bed17f8a55fb": "vLLM 0.32.0-0.33.0"},
 }
 VERIFIED_VERSIONS = ("0.32.0", "0.33.0")
 
@@ -100,57 +110,46 @@ _COORDINATOR_METHODS = ("get_num_blocks_to_allocate", "allocate_new_computed_blo
 _SINGLE_TYPE_METHODS = ("get_num_blocks_to_allocate", "allocate_new_blocks",
                         "remove_skipped_blocks", "get_num_skipped_tokens")
 
-# Bound on first use (this module imports no vLLM until then):
-# (KVCacheManager, (coordinator types), FullAttentionManager, RequestStatus.RUNNING)
-# and vLLM's own allocate_slots.
-_KINDS: tuple[Any, Any, Any, Any] | None = None
-_STOCK: Any = None
+# The piece in use: the compiled one, or its twin where it cannot be imported
+# (then the plugin leaves vLLM stock anyway).
+if fastbatch.COMPILED:
+    from fastbatch._kernels import decode_slots as _piece
+else:
+    from fastbatch._reference import decode_slots as _piece
+
+# fastbatch's drop-in for ``KVCacheManager.allocate_slots``: the compiled
+# function itself, bound on vLLM's class (one compiled call per call), with
+# vLLM's signature and defaults.  ``bind()`` gives it vLLM's method and classes.
+allocate_slots = _piece.allocate_slots
+allocate_slots.__fastbatch__ = True
 
 
-def _bind() -> None:
-    global _KINDS, _STOCK
+def kinds() -> tuple[Any, ...]:
+    """vLLM's classes on the fast path and ``RequestStatus.RUNNING``, as the
+    piece's ``kinds``: (KVCacheManager, (coordinator types), FullAttentionManager,
+    BlockPool, Request, FullAttentionSpec, RUNNING)."""
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_coordinator import (
         KVCacheCoordinatorNoPrefixCache,
         UnitaryKVCacheCoordinator,
     )
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
-    from vllm.v1.request import RequestStatus
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.request import Request, RequestStatus
 
-    _STOCK = PATCH.original() or KVCacheManager.allocate_slots
-    _KINDS = (KVCacheManager, (UnitaryKVCacheCoordinator, KVCacheCoordinatorNoPrefixCache),
-              FullAttentionManager, RequestStatus.RUNNING)
-
-
-def allocate_slots(self: Any, request: Any, num_new_tokens: int,
-                   num_new_computed_tokens: int = 0, new_computed_blocks: Any = None,
-                   num_lookahead_tokens: int = 0, num_external_computed_tokens: int = 0,
-                   delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
-                   full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
-                   has_scheduled_reqs: bool = True,
-                   skip_zeroing_group_ids: tuple[int, ...] = ()) -> Any:
-    """fastbatch's drop-in for ``KVCacheManager.allocate_slots`` (same signature).
-
-    vLLM's ``empty_kv_cache_blocks`` where vLLM's method would return it and
-    change nothing (``fastbatch.allocate_slots_is_noop``); vLLM's method
-    otherwise.
-    """
-    if _KINDS is None:
-        _bind()
-    if (new_computed_blocks is None and num_new_computed_tokens == 0
-            and num_lookahead_tokens == 0 and num_external_computed_tokens == 0
-            and num_encoder_tokens == 0 and not full_sequence_must_fit
-            and not delay_cache_blocks
-            and fastbatch.allocate_slots_is_noop(self, request, num_new_tokens,
-                                                 reserved_blocks, _KINDS)):
-        return self.empty_kv_cache_blocks
-    return _STOCK(self, request, num_new_tokens, num_new_computed_tokens,
-                  new_computed_blocks, num_lookahead_tokens, num_external_computed_tokens,
-                  delay_cache_blocks, num_encoder_tokens, full_sequence_must_fit,
-                  reserved_blocks, has_scheduled_reqs, skip_zeroing_group_ids)
+    return (KVCacheManager, (UnitaryKVCacheCoordinator, KVCacheCoordinatorNoPrefixCache),
+            FullAttentionManager, BlockPool, Request, FullAttentionSpec, RequestStatus.RUNNING)
 
 
-allocate_slots.__fastbatch__ = True  # type: ignore[attr-defined]
+def bind(stock: Any = None) -> None:
+    """Bind ``allocate_slots`` to ``stock`` (by default vLLM's own method: the
+    original while the patch is applied, else the class's) and vLLM's classes."""
+    if stock is None:
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+        stock = PATCH.original() or KVCacheManager.allocate_slots
+    _piece.bind(stock, kinds())
 
 
 def overridden_methods() -> list[str]:
@@ -215,9 +214,7 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     blocks reserved than free, prefix caching on and off)."""
     from vllm.v1.request import RequestStatus
 
-    global _STOCK
-    _bind()
-    _STOCK = method
+    bind(method)
     overridden = overridden_methods()
     if overridden:
         return f"{', '.join(overridden)} override(s) the base method"
