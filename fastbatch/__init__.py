@@ -26,6 +26,12 @@
 * ``allocate_slots_is_noop(manager, request, num_new_tokens, reserved_blocks,
   kinds)``: whether vLLM's ``KVCacheManager.allocate_slots`` would change
   nothing and return the empty blocks (a plain decode step of the scheduler).
+* ``update_after_schedule(scheduler, scheduler_output, spec_token_placeholders,
+  request_type)``: the per-request loops of ``Scheduler._update_after_schedule``
+  and ``AsyncScheduler._update_after_schedule``, in one pass.
+* ``cached_request_lists(running_reqs, resumed_reqs, req_to_new_blocks,
+  prev_step_scheduled_req_ids, kinds)``: the loop of
+  ``Scheduler._make_cached_request_data``.
 
 Each is a compiled piece (``fastbatch._kernels``, one module per piece) with a
 pure-Python twin (``fastbatch._reference``).  ``COMPILED`` says whether the
@@ -41,6 +47,7 @@ try:
     from fastbatch._kernels import (
         allocate_slots_is_noop,
         append_sampled_token_ids,
+        cached_request_lists,
         compute_prev_positions,
         draft_token_lists,
         output_tokens_tensor,
@@ -49,6 +56,7 @@ try:
         reset_stats,
         sampled_token_lists,
         stats,
+        update_after_schedule,
         update_async_output_token_ids,
         update_async_spec_token_ids,
     )
@@ -62,6 +70,7 @@ except ImportError as exc:  # no compiled module for this platform/interpreter
     from fastbatch._reference import (
         allocate_slots_is_noop,
         append_sampled_token_ids,
+        cached_request_lists,
         compute_prev_positions,
         draft_token_lists,
         output_tokens_tensor,
@@ -70,6 +79,7 @@ except ImportError as exc:  # no compiled module for this platform/interpreter
         reset_stats,
         sampled_token_lists,
         stats,
+        update_after_schedule,
         update_async_output_token_ids,
         update_async_spec_token_ids,
     )
@@ -83,6 +93,7 @@ __all__ = [
     "__version__",
     "allocate_slots_is_noop",
     "append_sampled_token_ids",
+    "cached_request_lists",
     "compute_prev_positions",
     "draft_token_lists",
     "output_tokens_tensor",
@@ -91,6 +102,7 @@ __all__ = [
     "reset_stats",
     "sampled_token_lists",
     "stats",
+    "update_after_schedule",
     "update_async_output_token_ids",
     "update_async_spec_token_ids",
 ]

@@ -4,9 +4,11 @@ in ``fastbatch.patches`` (and its pure-Python twin in ``fastbatch._reference``).
 
 from fastbatch._counters import combined
 from fastbatch._kernels import (
+    after_schedule,
     async_output_token_ids,
     async_spec_token_ids,
     bookkeeping_sync,
+    cached_requests,
     decode_slots,
     draft_lists,
     penalty_output_tokens,
@@ -15,9 +17,11 @@ from fastbatch._kernels import (
     rejection_lists,
     sampled_lists,
 )
+from fastbatch._kernels.after_schedule import update_after_schedule
 from fastbatch._kernels.async_output_token_ids import update_async_output_token_ids
 from fastbatch._kernels.async_spec_token_ids import update_async_spec_token_ids
 from fastbatch._kernels.bookkeeping_sync import append_sampled_token_ids
+from fastbatch._kernels.cached_requests import cached_request_lists
 from fastbatch._kernels.decode_slots import allocate_slots_is_noop
 from fastbatch._kernels.draft_lists import draft_token_lists
 from fastbatch._kernels.penalty_output_tokens import output_tokens_tensor
@@ -28,9 +32,11 @@ from fastbatch._kernels.sampled_lists import sampled_token_lists
 
 # Every piece, one a line (their counters make up stats()).
 PIECES = (
+    after_schedule,
     async_output_token_ids,
     async_spec_token_ids,
     bookkeeping_sync,
+    cached_requests,
     decode_slots,
     draft_lists,
     penalty_output_tokens,
@@ -44,6 +50,7 @@ stats, reset_stats = combined(*PIECES)
 __all__ = [
     "allocate_slots_is_noop",
     "append_sampled_token_ids",
+    "cached_request_lists",
     "compute_prev_positions",
     "draft_token_lists",
     "output_tokens_tensor",
@@ -52,6 +59,7 @@ __all__ = [
     "reset_stats",
     "sampled_token_lists",
     "stats",
+    "update_after_schedule",
     "update_async_output_token_ids",
     "update_async_spec_token_ids",
 ]
