@@ -161,11 +161,14 @@ def activation_check(method: Any, replacement: Any) -> str | None:
         scheduler = SimpleNamespace(
             use_pp=False, scheduler_config=SimpleNamespace(async_scheduling=False),
             use_v2_model_runner=use_v2, prev_step_scheduled_req_ids={"r1", "r4"})
-        results = [cached_request_state(function(scheduler, running, resumed, {}, {},
-                                                 new_blocks))
+        results = [function(scheduler, running, resumed, {}, {}, new_blocks)
                    for function in (method, replacement)]
-        if results[0] != results[1]:
-            return f"use_v2={use_v2}: fastbatch gave {results[1]}, vLLM {results[0]}"
+        states = [cached_request_state(result) for result in results]
+        if states[0] != states[1]:
+            return f"use_v2={use_v2}: fastbatch gave {states[1]}, vLLM {states[0]}"
+        own_lists = {id(request._all_token_ids) for request in running + resumed}
+        if any(id(ids) in own_lists for ids in results[1].all_token_ids.values()):
+            return f"use_v2={use_v2}: fastbatch gave a request's own token list, not a copy"
     return None
 
 
