@@ -158,7 +158,8 @@ def stock(monkeypatch):
 @pytest.mark.parametrize(("use_v2", "kind", "expected"), [
     (True, "v2", "fastbatch: Model Runner V2 in use (SimpleNamespace): fastbatch's runner "
                  "pieces serve the V1 runner and stay idle here; "
-                 "VLLM_USE_V2_MODEL_RUNNER=0 selects V1; scheduler still acts (vLLM's "
+                 "VLLM_USE_V2_MODEL_RUNNER=0 selects V1; scheduler, after_schedule, "
+                 "cached_requests still acts (vLLM's "
                  "scheduler is the same under both runners)"),
     (False, "unknown", "fastbatch: this worker's model runner (SimpleNamespace) is neither "
                        "vLLM's V1 runner nor Model Runner V2"),
