@@ -95,7 +95,7 @@ def _batch(rows):
         blocks = [[KVCacheBlock(block_id) for block_id in group] for group in groups]
         if kind == "tuple":
             new_blocks[request.request_id] = KVCacheBlocks(tuple(
-                tuple(group) if not group else group for group in blocks))
+                group or () for group in blocks))  # an empty group as vLLM's ()
         else:
             cls = _OtherBlocks if kind == "other" else KVCacheBlocks
             new_blocks[request.request_id] = cls(tuple(blocks))

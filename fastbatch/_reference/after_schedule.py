@@ -1,4 +1,5 @@
-"""Pure-Python twin of the compiled piece ``after_schedule`` (``fastbatch._kernels.after_schedule``).
+"""Pure-Python twin of the compiled piece ``after_schedule``
+(``fastbatch._kernels.after_schedule``).
 
 ``update_after_schedule`` does the per-request work of vLLM's
 ``Scheduler._update_after_schedule`` and, given the step's spec-token
@@ -66,8 +67,8 @@ def _plain_batch(scheduler: Any, scheduler_output: Any, is_async: bool,
                 or type(scheduler_output.pending_structured_output_tokens) is not bool
                 or type(scheduler.num_sampled_tokens_per_step) is not int
                 or type(use_v2) is not bool
-                or use_v2 and (type(scheduler.current_step) is not int
-                               or type(scheduler.decode_stagger) is not int)):
+                or (use_v2 and (type(scheduler.current_step) is not int
+                                or type(scheduler.decode_stagger) is not int))):
             return None
     batch = []
     for req_id, num_tokens in num_scheduled.items():

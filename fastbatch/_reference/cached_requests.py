@@ -1,4 +1,5 @@
-"""Pure-Python twin of the compiled piece ``cached_requests`` (``fastbatch._kernels.cached_requests``).
+"""Pure-Python twin of the compiled piece ``cached_requests``
+(``fastbatch._kernels.cached_requests``).
 
 ``cached_request_lists`` builds the fields of vLLM's ``CachedRequestData`` as
 ``Scheduler._make_cached_request_data`` does outside its pipeline-parallel
