@@ -30,6 +30,12 @@
   kinds, variant)`` and ``merge_decode_outputs(slots, stock_outputs)``: the
   plain decodes of vLLM's ``Scheduler.update_from_output`` in one call, and
   their outputs merged with vLLM's for the other requests.
+* ``update_after_schedule(scheduler, scheduler_output, spec_token_placeholders,
+  request_type)``: the per-request loops of ``Scheduler._update_after_schedule``
+  and ``AsyncScheduler._update_after_schedule``, in one pass.
+* ``cached_request_lists(running_reqs, resumed_reqs, req_to_new_blocks,
+  prev_step_scheduled_req_ids, kinds)``: the loop of
+  ``Scheduler._make_cached_request_data``.
 
 Each is a compiled piece (``fastbatch._kernels``, one module per piece) with a
 pure-Python twin (``fastbatch._reference``).  ``COMPILED`` says whether the
@@ -45,6 +51,7 @@ try:
     from fastbatch._kernels import (
         allocate_slots_is_noop,
         append_sampled_token_ids,
+        cached_request_lists,
         compute_prev_positions,
         draft_token_lists,
         merge_decode_outputs,
@@ -55,6 +62,7 @@ try:
         sampled_token_lists,
         stats,
         take_decode_outputs,
+        update_after_schedule,
         update_async_output_token_ids,
         update_async_spec_token_ids,
     )
@@ -68,6 +76,7 @@ except ImportError as exc:  # no compiled module for this platform/interpreter
     from fastbatch._reference import (
         allocate_slots_is_noop,
         append_sampled_token_ids,
+        cached_request_lists,
         compute_prev_positions,
         draft_token_lists,
         merge_decode_outputs,
@@ -78,6 +87,7 @@ except ImportError as exc:  # no compiled module for this platform/interpreter
         sampled_token_lists,
         stats,
         take_decode_outputs,
+        update_after_schedule,
         update_async_output_token_ids,
         update_async_spec_token_ids,
     )
@@ -91,6 +101,7 @@ __all__ = [
     "__version__",
     "allocate_slots_is_noop",
     "append_sampled_token_ids",
+    "cached_request_lists",
     "compute_prev_positions",
     "draft_token_lists",
     "merge_decode_outputs",
@@ -101,6 +112,7 @@ __all__ = [
     "sampled_token_lists",
     "stats",
     "take_decode_outputs",
+    "update_after_schedule",
     "update_async_output_token_ids",
     "update_async_spec_token_ids",
 ]

@@ -27,6 +27,9 @@ pieces stock while the others are on:
   ``drafts``        ``GPUModelRunner._get_draft_token_ids_cpu``
   ``scheduler``  ``KVCacheManager.allocate_slots`` (the scheduler's decode fast path)
   ``scheduler_outputs``  the plain decodes of ``Scheduler.update_from_output``
+  ``after_schedule``  ``Scheduler._update_after_schedule`` and
+                 ``AsyncScheduler._update_after_schedule``
+  ``cached_requests``  ``Scheduler._make_cached_request_data``
 Unknown names are reported in a warning and ignored.
 
 ``FASTBATCH_VERIFY`` checks fastbatch against vLLM's own code at run time:
@@ -79,6 +82,8 @@ PATCHES = {
     "drafts": "fastbatch.patches.draft_lists",
     "scheduler": "fastbatch.patches.decode_slots",
     "scheduler_outputs": "fastbatch.patches.decode_outputs",
+    "after_schedule": "fastbatch.patches.after_schedule",
+    "cached_requests": "fastbatch.patches.cached_requests",
 }
 _ON = {"1", "true", "yes", "on"}
 _OFF = {"", "0", "false", "no", "off"}

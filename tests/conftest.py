@@ -22,7 +22,7 @@ VLLM_MODULES = ["test_vllm_differential.py", "test_plugin.py", "test_e2e.py",
                 "test_vllm_bookkeeping_sync.py", "test_vllm_prev_positions.py",
                 "test_vllm_prepare_input_ids.py", "test_verify.py", "test_model_runner.py",
                 "test_plugin_fallback.py", "test_decode_slots.py",
-                "test_decode_outputs.py"]
+                "test_decode_outputs.py", "test_after_schedule.py", "test_cached_requests.py"]
 collect_ignore = [] if importlib.util.find_spec("vllm") else VLLM_MODULES
 # The penalties' tensor is a torch tensor, and the rows-to-lists pieces read
 # torch tensors: their tests need torch (the default tox environment installs

@@ -125,6 +125,9 @@ def test_switch_on_installs_once(monkeypatch, logs, value):
     targets = [module.TARGET for module in PATCHES.values()]
     # after the conversion's line, one for each binding of apply_all_penalties
     targets[3:3] = [f"{binding.__name__}.apply_all_penalties" for binding in BINDINGS]
+    # after_schedule installs AsyncScheduler's method first, then Scheduler's
+    after_schedule = PATCHES["after_schedule"]
+    targets.insert(targets.index(after_schedule.TARGET), after_schedule.ASYNC_PATCH.target)
     assert len(infos) == len(targets)
     for info, target in zip(infos, targets, strict=True):
         for expected in (fastbatch.__version__, "vLLM 0.33.0", target, "compiled kernel"):
@@ -379,7 +382,7 @@ def test_guard_refuses_an_unknown_version(monkeypatch, logs):
     vllm_plugin.register()
     assert _stock_everywhere()
     warnings = logs.at(logging.WARNING)
-    assert len(warnings) == len(PATCHES)
+    assert len(warnings) == len(PATCHES) + 1  # after_schedule: one per scheduler class
     assert all("vLLM 0.34.0 is not a verified version" in w for w in warnings)
 
 
@@ -401,7 +404,7 @@ def test_force_patches_an_unknown_version(monkeypatch, logs):
     assert vllm_plugin.status()["patches"] == dict.fromkeys(PATCHES, True)
     assert _masking_skipped_at() == {binding.__name__ for binding in BINDINGS}
     assert sum("patching anyway" in w for w in logs.at(logging.WARNING)) == (
-        len(PATCHES) + len(BINDINGS))
+        len(PATCHES) + len(BINDINGS) + 1)  # after_schedule: one per scheduler class
 
 
 def test_force_still_needs_the_activation_check(monkeypatch, logs):

@@ -29,7 +29,9 @@ def main(dist: Path) -> None:
                      "fastbatch/patches/rejection_lists.py",
                      "fastbatch/patches/draft_lists.py",
                      "fastbatch/patches/decode_slots.py",
-                     "fastbatch/patches/decode_outputs.py"):
+                     "fastbatch/patches/decode_outputs.py",
+                     "fastbatch/patches/after_schedule.py",
+                     "fastbatch/patches/cached_requests.py"):
         assert required in names, f"{required} missing from {wheel.name}"
     for piece in pieces:
         assert any(n.startswith(f"fastbatch/_kernels/{piece}.") and n.endswith(".so")

@@ -83,8 +83,11 @@ def fingerprint_in(source: str, qualname: str) -> str | None:
     nodes = ast.parse(source).body
     node = None
     for part in qualname.split("."):
-        node = next((n for n in nodes if isinstance(n, (ast.ClassDef, ast.FunctionDef))
-                     and n.name == part), None)
+        # The last definition of a name is the one Python binds (after any
+        # ``@overload`` stubs of a method).
+        node = next((n for n in reversed(nodes)
+                     if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name == part),
+                    None)
         if node is None:
             return None
         nodes = node.body

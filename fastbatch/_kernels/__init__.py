@@ -4,9 +4,11 @@ in ``fastbatch.patches`` (and its pure-Python twin in ``fastbatch._reference``).
 
 from fastbatch._counters import combined
 from fastbatch._kernels import (
+    after_schedule,
     async_output_token_ids,
     async_spec_token_ids,
     bookkeeping_sync,
+    cached_requests,
     decode_outputs,
     decode_slots,
     draft_lists,
@@ -16,9 +18,11 @@ from fastbatch._kernels import (
     rejection_lists,
     sampled_lists,
 )
+from fastbatch._kernels.after_schedule import update_after_schedule
 from fastbatch._kernels.async_output_token_ids import update_async_output_token_ids
 from fastbatch._kernels.async_spec_token_ids import update_async_spec_token_ids
 from fastbatch._kernels.bookkeeping_sync import append_sampled_token_ids
+from fastbatch._kernels.cached_requests import cached_request_lists
 from fastbatch._kernels.decode_outputs import merge_decode_outputs, take_decode_outputs
 from fastbatch._kernels.decode_slots import allocate_slots_is_noop
 from fastbatch._kernels.draft_lists import draft_token_lists
@@ -30,10 +34,12 @@ from fastbatch._kernels.sampled_lists import sampled_token_lists
 
 # Every piece, one a line (their counters make up stats()).
 PIECES = (
+    after_schedule,
     async_output_token_ids,
     async_spec_token_ids,
     bookkeeping_sync,
     decode_outputs,
+    cached_requests,
     decode_slots,
     draft_lists,
     penalty_output_tokens,
@@ -47,6 +53,7 @@ stats, reset_stats = combined(*PIECES)
 __all__ = [
     "allocate_slots_is_noop",
     "append_sampled_token_ids",
+    "cached_request_lists",
     "compute_prev_positions",
     "draft_token_lists",
     "merge_decode_outputs",
@@ -57,6 +64,7 @@ __all__ = [
     "sampled_token_lists",
     "stats",
     "take_decode_outputs",
+    "update_after_schedule",
     "update_async_output_token_ids",
     "update_async_spec_token_ids",
 ]

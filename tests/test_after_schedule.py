@@ -1,0 +1,285 @@
+"""Piece ``after_schedule``: ``Scheduler._update_after_schedule`` and
+``AsyncScheduler._update_after_schedule`` with their loops compiled.
+
+Against the REAL vLLM 0.33.0 scheduler (tox -e vllm): the lockstep harness
+(``scheduler_lockstep``) drives a stock scheduler and one whose own instance
+carries fastbatch's method, over every workload, and compares after every
+step the scheduler outputs, engine-core outputs, KV-cache state and every
+request, and here also what only this method touches (the in-flight
+prefills, the cleared id sets, which requests share the step's spec-token
+placeholder list, ``last_sched_seq``, ``next_decode_eligible_step``).
+``FASTBATCH_LOCKSTEP_STEPS`` sets the total number of steps (default 2,000).
+
+Also: compiled vs twin vs vLLM's own methods on generated batches of real
+requests (hypothesis), including batches the kernel must hand back to vLLM;
+bad input; the guard, the activation check, the plugin; leaks.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+from types import MethodType, SimpleNamespace
+
+import pytest
+import scheduler_lockstep as lockstep
+from hypothesis import given
+from hypothesis import strategies as st
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
+
+import fastbatch
+from fastbatch import _kernels, _reference, vllm_plugin
+from fastbatch.patches import after_schedule as patch
+from leaks import assert_no_leak
+
+pytestmark = pytest.mark.vllm
+STOCK = Scheduler._update_after_schedule
+ASYNC_STOCK = AsyncScheduler._update_after_schedule
+TOTAL_STEPS = int(os.environ.get("FASTBATCH_LOCKSTEP_STEPS", "2000"))
+STEPS_PER_WORKLOAD = max(1, TOTAL_STEPS // len(lockstep.WORKLOADS))
+
+
+def make_fast(workload: lockstep.Workload):
+    """A scheduler whose own instance runs fastbatch's method (the classes
+    stay stock, so the other scheduler in this process is untouched)."""
+    scheduler = lockstep.make_scheduler(workload)
+    replacement = (patch._update_after_schedule_async if workload.async_scheduling
+                   else patch._update_after_schedule)
+    scheduler._update_after_schedule = MethodType(replacement, scheduler)
+    return scheduler
+
+
+def own_state(scheduler):
+    """What ``_update_after_schedule`` changes that the harness does not compare."""
+    placeholders = getattr(scheduler, "_spec_token_placeholders", None)
+    return {
+        "inflight_prefills": sorted(r.request_id for r in scheduler._inflight_prefills),
+        "finished_req_ids": sorted(scheduler.finished_req_ids),
+        "reset_preempted_req_ids": sorted(scheduler.reset_preempted_req_ids),
+        "spec_token_placeholders": placeholders,
+        "requests": {rid: (r.last_sched_seq, r.next_decode_eligible_step,
+                           type(r.num_computed_tokens), type(r.num_output_placeholders),
+                           type(r.is_prefill_chunk), r.spec_token_ids is placeholders)
+                     for rid, r in scheduler.requests.items()},
+    }
+
+
+class Lockstep(lockstep.Lockstep):
+    def _compare_states(self):
+        super()._compare_states()
+        self._compare("after_schedule", own_state(self.stock), own_state(self.fast))
+
+
+@pytest.mark.parametrize("workload", lockstep.WORKLOADS, ids=lambda w: w.name)
+def test_lockstep_matches_stock(workload):
+    fastbatch.reset_stats()
+    Lockstep(workload, seed=21, make_fast=make_fast).run(STEPS_PER_WORKLOAD)
+    counters = fastbatch.stats()
+    assert counters["after_schedule_requests"] > 0
+    assert counters["after_schedule_stock_calls"] == 0  # vLLM's own batches are plain
+
+
+@pytest.mark.parametrize("workload", [lockstep.WORKLOADS[2], lockstep.WORKLOADS[12]],
+                         ids=lambda w: w.name)
+def test_lockstep_with_the_pure_python_twin(monkeypatch, workload):
+    monkeypatch.setattr(fastbatch, "update_after_schedule", _reference.update_after_schedule)
+    Lockstep(workload, seed=4, make_fast=make_fast).run(60)
+
+
+# Generated batches of real requests -------------------------------------------
+
+_REQUEST = st.tuples(st.integers(1, 40), st.integers(0, 5), st.integers(0, 50),
+                     st.integers(0, 3), st.booleans(), st.integers(1, 20),
+                     st.none() | st.lists(st.integers(0, 63), max_size=3), st.booleans())
+# Ways to make a batch that the kernel must hand back to vLLM unchanged.
+_ODD = st.sampled_from([None, "float_count", "missing", "wrong_id", "subclass", "flag_int",
+                        "spec_tuple"])
+
+
+class _OtherRequest(Request):
+    pass
+
+
+def _scheduler(cls, rows, defer, use_v2, odd):
+    scheduler = cls.__new__(cls)
+    scheduler.requests = {}
+    output = SimpleNamespace(num_scheduled_tokens={}, scheduled_spec_decode_tokens={},
+                             num_spec_tokens_to_schedule=len(rows) % 3,
+                             has_structured_output_requests=False,
+                             pending_structured_output_tokens=False)
+    inflight = set()
+    for index, (prompt, outputs, computed, placeholders, structured, scheduled, spec,
+                in_flight) in enumerate(rows):
+        kind = _OtherRequest if odd == "subclass" and index == 0 else Request
+        request = kind(request_id=f"r{index}", prompt_token_ids=list(range(3, 3 + prompt)),
+                       sampling_params=patch_sampling(), pooling_params=None,
+                       arrival_time=0.0)
+        request.append_output_token_ids(list(range(5, 5 + outputs)))
+        request.num_computed_tokens = computed
+        request.num_output_placeholders = request.num_in_flight_tokens = placeholders
+        if structured:
+            request.structured_output_request = SimpleNamespace()
+        if in_flight:
+            inflight.add(request)
+        scheduler.requests[request.request_id] = request
+        output.num_scheduled_tokens[request.request_id] = scheduled
+        if spec is not None:
+            output.scheduled_spec_decode_tokens[request.request_id] = spec
+    scheduler._inflight_prefills = inflight
+    scheduler.defer_block_free, scheduler.sched_step_seq = defer, 12345
+    scheduler.finished_req_ids, scheduler.reset_preempted_req_ids = {"f"}, {"p"}
+    scheduler.num_sampled_tokens_per_step, scheduler.use_v2_model_runner = 1, use_v2
+    scheduler.current_step, scheduler.decode_stagger = 300, 1
+    if rows and odd == "float_count":
+        scheduler.requests["r0"].num_computed_tokens = 1.0
+    elif rows and odd == "missing":
+        del scheduler.requests["r0"]
+    elif rows and odd == "wrong_id":
+        scheduler.requests["r0"].request_id = "other"
+    elif odd == "flag_int":
+        output.has_structured_output_requests = 0
+    elif rows and odd == "spec_tuple":
+        output.scheduled_spec_decode_tokens["r0"] = (1,)
+    return scheduler, output
+
+
+def patch_sampling():
+    from vllm.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=64)
+
+
+def _outcome(function, cls, rows, defer, use_v2, odd):
+    scheduler, output = _scheduler(cls, rows, defer, use_v2, odd)
+    try:
+        function(scheduler, output)
+    except Exception as exc:  # vLLM's own error, where the batch is broken
+        raised = type(exc)
+    else:
+        raised = None
+    return raised, patch.scheduler_state(scheduler, output)
+
+
+@given(st.lists(_REQUEST, max_size=6), st.booleans(), st.booleans(), st.booleans(), _ODD)
+def test_compiled_twin_and_vllm_agree(rows, is_async, defer, use_v2, odd):
+    cls, stock, replacement = ((AsyncScheduler, ASYNC_STOCK, patch._update_after_schedule_async)
+                               if is_async else
+                               (Scheduler, STOCK, patch._update_after_schedule))
+    patch._bind()
+    expected = _outcome(stock, cls, rows, defer, use_v2, odd)
+    _kernels.reset_stats()
+    _reference.reset_stats()
+    compiled = _outcome(replacement, cls, rows, defer, use_v2, odd)
+    try:
+        fastbatch.update_after_schedule = _reference.update_after_schedule
+        twin = _outcome(replacement, cls, rows, defer, use_v2, odd)
+    finally:
+        fastbatch.update_after_schedule = _kernels.update_after_schedule
+    assert compiled == expected
+    assert twin == expected
+    keys = ("after_schedule_requests", "after_schedule_stock_calls")
+    assert ({key: _kernels.stats()[key] for key in keys}
+            == {key: _reference.stats()[key] for key in keys})
+    if odd in (None, "spec_tuple") and rows and not (odd == "spec_tuple" and is_async):
+        assert _kernels.stats()["after_schedule_requests"] == len(rows)
+
+
+# Bad input, leaks ----------------------------------------------------------------
+
+_ROWS = [(8, 2, 9, 1, True, 1, [3], False), (30, 0, 0, 0, False, 16, None, True)]
+
+
+@pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
+def test_bad_input(implementation):
+    scheduler, output = _scheduler(AsyncScheduler, _ROWS, False, False, None)
+    before = patch.scheduler_state(scheduler, output)
+    with pytest.raises(TypeError, match="spec_token_placeholders must be a list or None"):
+        implementation.update_after_schedule(scheduler, output, (-1,), Request)
+    with pytest.raises(TypeError, match="request_type must be a class"):
+        implementation.update_after_schedule(scheduler, output, None, "Request")
+    with pytest.raises(AttributeError):
+        implementation.update_after_schedule(object(), output, None, Request)
+    assert patch.scheduler_state(scheduler, output) == before
+    for odd in ("float_count", "missing", "wrong_id", "subclass", "flag_int"):
+        scheduler, output = _scheduler(AsyncScheduler, _ROWS, False, False, odd)
+        before = patch.scheduler_state(scheduler, output)
+        assert implementation.update_after_schedule(scheduler, output, [-1], Request) is False
+        assert patch.scheduler_state(scheduler, output) == before, odd
+
+
+def test_no_leaks():
+    def step():
+        scheduler, output = _scheduler(AsyncScheduler, _ROWS, True, True, None)
+        _kernels.update_after_schedule(scheduler, output, [-1], Request)
+
+    for _ in range(50):
+        step()
+    scheduler, output = _scheduler(AsyncScheduler, _ROWS, True, True, None)
+    placeholders = [-1, -1]
+
+    def again():
+        # The same batch again and again (counters grow; nothing else should).
+        _kernels.update_after_schedule(scheduler, output, placeholders, Request)
+
+    for _ in range(3):  # until every request decodes and holds the placeholder list
+        again()
+    gc.collect()  # earlier tests' requests still hold the Request class
+    assert_no_leak(again, [scheduler, output, placeholders, Request,
+                           *scheduler.requests.values()], 2000)
+
+
+# Guard, activation check, plugin ----------------------------------------------------
+
+def test_guard_accepts_this_vllm_and_refuses_a_changed_method():
+    import vllm
+
+    assert patch.check_target(vllm.__version__, STOCK) is None
+    assert patch.ASYNC_PATCH.check_target(vllm.__version__, ASYNC_STOCK) is None
+    assert "not a verified variant" in patch.check_target(vllm.__version__, make_fast)
+    assert "not a verified variant" in patch.ASYNC_PATCH.check_target(vllm.__version__, STOCK)
+    assert "not a verified version" in patch.check_target("0.30.0", STOCK)
+
+
+def test_activation_check_passes_and_refuses_a_wrong_kernel(monkeypatch):
+    assert patch.activation_check(STOCK, patch._update_after_schedule) is None
+    assert patch.async_activation_check(ASYNC_STOCK, patch._update_after_schedule_async) is None
+
+    def off_by_one(scheduler, output, placeholders, request_type):
+        done = _reference.update_after_schedule(scheduler, output, placeholders, request_type)
+        for request in scheduler.requests.values():
+            request.num_in_flight_tokens += 1
+        return done
+
+    def drops_placeholder_sharing(scheduler, output, placeholders, request_type):
+        return _reference.update_after_schedule(
+            scheduler, output, None if placeholders is None else list(placeholders),
+            request_type)
+
+    monkeypatch.setattr(fastbatch, "update_after_schedule", off_by_one)
+    assert "fastbatch left" in patch.activation_check(STOCK, patch._update_after_schedule)
+    monkeypatch.setattr(fastbatch, "update_after_schedule", drops_placeholder_sharing)
+    assert "fastbatch left" in patch.async_activation_check(
+        ASYNC_STOCK, patch._update_after_schedule_async)
+
+
+def test_plugin_applies_and_reverts(monkeypatch):
+    monkeypatch.setenv("FASTBATCH", "1")
+    monkeypatch.setenv("FASTBATCH_DISABLE", "output spec penalties")
+    try:
+        vllm_plugin.register()
+        assert Scheduler._update_after_schedule is patch._update_after_schedule
+        assert AsyncScheduler._update_after_schedule is patch._update_after_schedule_async
+        assert patch.is_applied() and vllm_plugin.status()["patches"]["after_schedule"]
+    finally:
+        patch.revert()
+    assert Scheduler._update_after_schedule is STOCK
+    assert AsyncScheduler._update_after_schedule is ASYNC_STOCK
+    monkeypatch.setenv("FASTBATCH_DISABLE", "after_schedule")
+    vllm_plugin.register()
+    assert Scheduler._update_after_schedule is STOCK
+    assert AsyncScheduler._update_after_schedule is ASYNC_STOCK
+    for module in vllm_plugin.PATCHES.values():
+        importlib.import_module(module).revert()

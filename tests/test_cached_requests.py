@@ -1,0 +1,212 @@
+"""Piece ``cached_requests``: ``Scheduler._make_cached_request_data`` with its loop compiled.
+
+Against the REAL vLLM 0.33.0 scheduler (tox -e vllm): the lockstep harness
+(``scheduler_lockstep``) drives a stock scheduler and one whose own instance
+carries fastbatch's method, over every workload, and compares every field of
+each ``SchedulerOutput`` (its ``CachedRequestData`` included, dicts in order)
+after every step, and here also that each token-id copy is a list of its
+own.  ``FASTBATCH_LOCKSTEP_STEPS`` sets the total number of steps (default
+2,000).
+
+Also: compiled vs twin vs vLLM's own method on generated batches of real
+requests and KV-cache blocks (hypothesis); the pipeline-parallel branch runs
+vLLM's method; bad input; the guard, the activation check, the plugin; leaks.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+from types import MethodType, SimpleNamespace
+
+import pytest
+import scheduler_lockstep as lockstep
+from hypothesis import given
+from hypothesis import strategies as st
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
+from vllm.v1.utils import ConstantList
+
+import fastbatch
+from fastbatch import _kernels, _reference, vllm_plugin
+from fastbatch.patches import cached_requests as patch
+from leaks import assert_no_leak
+
+pytestmark = pytest.mark.vllm
+STOCK = Scheduler._make_cached_request_data
+KINDS = (Request, KVCacheBlocks, ConstantList)
+TOTAL_STEPS = int(os.environ.get("FASTBATCH_LOCKSTEP_STEPS", "2000"))
+STEPS_PER_WORKLOAD = max(1, TOTAL_STEPS // len(lockstep.WORKLOADS))
+
+
+def make_fast(workload: lockstep.Workload):
+    """A scheduler whose own instance runs fastbatch's method (the class stays
+    stock, so the other scheduler in this process is untouched)."""
+    scheduler = lockstep.make_scheduler(workload)
+    fast = MethodType(patch._make_cached_request_data, scheduler)
+
+    def checked(*args):
+        data = fast(*args)
+        tokens = [request._all_token_ids for request in args[0] + args[1]]
+        for ids in data.all_token_ids.values():  # copies, never the requests' own lists
+            assert type(ids) is list and not any(ids is own for own in tokens)
+        return data
+
+    scheduler._make_cached_request_data = checked
+    return scheduler
+
+
+@pytest.mark.parametrize("workload", lockstep.WORKLOADS, ids=lambda w: w.name)
+def test_lockstep_matches_stock(workload):
+    fastbatch.reset_stats()
+    lockstep.Lockstep(workload, seed=33, make_fast=make_fast).run(STEPS_PER_WORKLOAD)
+    assert fastbatch.stats()["cached_requests_requests"] > 0
+
+
+def test_lockstep_with_the_pure_python_twin(monkeypatch):
+    monkeypatch.setattr(fastbatch, "cached_request_lists", _reference.cached_request_lists)
+    lockstep.Lockstep(lockstep.WORKLOADS[6], seed=8, make_fast=make_fast).run(60)
+
+
+# Generated batches of real requests -------------------------------------------
+
+class _OtherBlocks(KVCacheBlocks):
+    pass
+
+
+_BLOCKS = st.lists(st.lists(st.integers(0, 99), max_size=3), min_size=1, max_size=2)
+_REQUEST = st.tuples(st.integers(1, 20), st.integers(0, 4), st.integers(0, 300),
+                     st.integers(0, 2), _BLOCKS, st.sampled_from(["plain", "tuple", "other"]))
+
+
+def _batch(rows):
+    requests, new_blocks = [], {}
+    for index, (prompt, outputs, computed, placeholders, groups, kind) in enumerate(rows):
+        request = Request(request_id=f"r{index}", prompt_token_ids=list(range(3, 3 + prompt)),
+                          sampling_params=SamplingParams(max_tokens=64), pooling_params=None,
+                          arrival_time=0.0)
+        request.append_output_token_ids(list(range(10, 10 + outputs)))
+        request.num_computed_tokens = computed
+        request.num_output_placeholders = placeholders
+        blocks = [[KVCacheBlock(block_id) for block_id in group] for group in groups]
+        if kind == "tuple":
+            new_blocks[request.request_id] = KVCacheBlocks(tuple(
+                group or () for group in blocks))  # an empty group as vLLM's ()
+        else:
+            cls = _OtherBlocks if kind == "other" else KVCacheBlocks
+            new_blocks[request.request_id] = cls(tuple(blocks))
+        requests.append(request)
+    return requests, new_blocks
+
+
+@given(st.lists(_REQUEST, max_size=6), st.integers(0, 6), st.booleans(), st.booleans(),
+       st.frozensets(st.integers(0, 6)))
+def test_compiled_twin_and_vllm_agree(rows, num_running, use_v2, use_pp, previous):
+    requests, new_blocks = _batch(rows)
+    running, resumed = requests[:num_running], requests[num_running:]
+    scheduler = SimpleNamespace(
+        use_pp=use_pp, scheduler_config=SimpleNamespace(async_scheduling=False),
+        use_v2_model_runner=use_v2, prev_step_scheduled_req_ids={f"r{i}" for i in previous})
+    scheduled = {request.request_id: 1 for request in requests}
+    args = (running, resumed, scheduled, {}, new_blocks)
+    patch._bind()
+    expected = patch.cached_request_state(STOCK(scheduler, *args))
+    _kernels.reset_stats()
+    _reference.reset_stats()
+    compiled = patch.cached_request_state(patch._make_cached_request_data(scheduler, *args))
+    try:
+        fastbatch.cached_request_lists = _reference.cached_request_lists
+        twin = patch.cached_request_state(patch._make_cached_request_data(scheduler, *args))
+    finally:
+        fastbatch.cached_request_lists = _kernels.cached_request_lists
+    assert compiled == expected
+    assert twin == expected
+    counted = 0 if use_pp else len(requests)  # the PP branch is vLLM's method
+    assert _kernels.stats()["cached_requests_requests"] == counted
+    assert _reference.stats()["cached_requests_requests"] == counted
+
+
+# Bad input, leaks ----------------------------------------------------------------
+
+@pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
+def test_bad_input(implementation):
+    requests, new_blocks = _batch([(4, 1, 5, 0, [[1]], "plain"), (3, 0, 3, 1, [[]], "plain")])
+    lists = implementation.cached_request_lists
+    with pytest.raises(TypeError):
+        lists(tuple(requests), [], new_blocks, None, KINDS)
+    with pytest.raises(TypeError):
+        lists(requests, [], list(new_blocks.items()), None, KINDS)
+    with pytest.raises(TypeError, match="prev_step_scheduled_req_ids must be a set"):
+        lists(requests, [], new_blocks, ["r0"], KINDS)
+    with pytest.raises(ValueError, match="kinds must have 3 items"):
+        lists(requests, [], new_blocks, None, KINDS[:2])
+    with pytest.raises(KeyError, match="r1"):  # vLLM's error: no blocks for a request
+        lists(requests, [], {"r0": new_blocks["r0"]}, None, KINDS)
+    with pytest.raises(AttributeError):
+        lists([object()], [], new_blocks, None, KINDS)
+
+
+def test_no_leaks():
+    requests, new_blocks = _batch([(4, 1, 5, 0, [[1, 2]], "plain"), (3, 0, 3, 1, [[]], "plain"),
+                                   (5, 2, 600, 1, [[3], [4]], "other")])
+    previous = {"r1"}
+
+    def step():
+        _kernels.cached_request_lists(requests[:2], requests[2:], new_blocks, previous, KINDS)
+
+    for _ in range(50):
+        step()
+    gc.collect()
+    assert_no_leak(step, [*requests, *new_blocks.values(), previous, KINDS], 2000)
+
+
+# Guard, activation check, plugin ----------------------------------------------------
+
+def test_guard_accepts_this_vllm_and_refuses_a_changed_method():
+    import vllm
+
+    assert patch.check_target(vllm.__version__, STOCK) is None
+    assert "not a verified variant" in patch.check_target(vllm.__version__, make_fast)
+    assert "not a verified version" in patch.check_target("0.30.0", STOCK)
+
+
+def test_activation_check_passes_and_refuses_a_wrong_kernel(monkeypatch):
+    assert patch.activation_check(STOCK, patch._make_cached_request_data) is None
+
+    def shares_token_lists(running, resumed, new_blocks, previous, kinds):
+        lists = _reference.cached_request_lists(running, resumed, new_blocks, previous, kinds)
+        for request in running + resumed:
+            if request.request_id in lists[2]:
+                lists[2][request.request_id] = request._all_token_ids
+        return lists
+
+    def drops_empty_groups(running, resumed, new_blocks, previous, kinds):
+        lists = _reference.cached_request_lists(running, resumed, new_blocks, previous, kinds)
+        lists[3][:] = [ids and tuple(group for group in ids if group) for ids in lists[3]]
+        return lists
+
+    for wrong, why in ((shares_token_lists, "own token list, not a copy"),
+                       (drops_empty_groups, "fastbatch gave")):
+        monkeypatch.setattr(fastbatch, "cached_request_lists", wrong)
+        assert why in patch.activation_check(STOCK, patch._make_cached_request_data)
+
+
+def test_plugin_applies_and_reverts(monkeypatch):
+    monkeypatch.setenv("FASTBATCH", "1")
+    monkeypatch.setenv("FASTBATCH_DISABLE", "output spec penalties")
+    try:
+        vllm_plugin.register()
+        assert Scheduler._make_cached_request_data is patch._make_cached_request_data
+        assert patch.is_applied() and vllm_plugin.status()["patches"]["cached_requests"]
+    finally:
+        patch.revert()
+    assert Scheduler._make_cached_request_data is STOCK
+    monkeypatch.setenv("FASTBATCH_DISABLE", "cached_requests")
+    vllm_plugin.register()
+    assert Scheduler._make_cached_request_data is STOCK
+    for module in vllm_plugin.PATCHES.values():
+        importlib.import_module(module).revert()
