@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import os
 import random
@@ -196,21 +197,29 @@ class RequestSpec:
     ignore_eos: bool
 
 
+@functools.cache
+def block_hasher(block_size: int) -> Any:
+    """One block hasher per block size, shared by every request, as vLLM's
+    EngineCore makes one and hands it to each request it admits."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    init_none_hash(sha256)
+    return get_request_block_hasher(block_size, sha256)
+
+
 def make_request(spec: RequestSpec, block_size: int) -> Any:
     """A fresh vLLM ``Request`` (each scheduler gets its own objects)."""
     from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
-    init_none_hash(sha256)
     params = SamplingParams(max_tokens=spec.max_tokens, min_tokens=spec.min_tokens,
                             stop_token_ids=list(spec.stop_token_ids),
                             ignore_eos=spec.ignore_eos)
     params.update_from_generation_config({}, EOS_TOKEN_ID)
     return Request(request_id=spec.request_id, prompt_token_ids=list(spec.prompt),
                    sampling_params=params, pooling_params=None, arrival_time=0.0,
-                   block_hasher=get_request_block_hasher(block_size, sha256))
+                   block_hasher=block_hasher(block_size))
 
 
 def snapshot(value: Any, _depth: int = 0) -> Any:
