@@ -55,6 +55,7 @@ def make_fast(workload: lockstep.Workload):
 
 def make_fast_with_slots(workload: lockstep.Workload):
     scheduler = make_fast(workload)
+    decode_slots.bind()
     manager = scheduler.kv_cache_manager
     manager.allocate_slots = MethodType(decode_slots.allocate_slots, manager)
     return scheduler

@@ -89,6 +89,26 @@ class _Raised:
         return f"raised {type(self.exc).__name__}: {self.exc}"
 
 
+def instance_dict_problem(instance: Any, read: tuple[str, ...],
+                          written: tuple[str, ...] = ()) -> str | None:
+    """Why a compiled piece may not read ``read`` and write ``written`` of
+    objects like ``instance`` through their instance dict, or None.
+
+    Reading ``obj.__dict__[name]`` is ``obj.name``, and writing it is
+    ``obj.name = value``, for a plain instance attribute: no class attribute
+    of that name (a property, a slot, a default would be bypassed), and, for
+    what is read, set on every instance (checked on a freshly built one).
+    """
+    cls = type(instance)
+    shadowed = sorted(name for name in {*read, *written} if hasattr(cls, name))
+    if shadowed:
+        return f"{cls.__name__} class attributes {shadowed} would be bypassed"
+    missing = [name for name in read if name not in vars(instance)]
+    if missing:
+        return f"{cls.__name__} instances lack {missing}"
+    return None
+
+
 def _lookup(module: str, qualname: str) -> tuple[Any, str, Any]:
     """(owner, attribute name, current value or None) of ``module.qualname``."""
     owner = importlib.import_module(module)

@@ -43,7 +43,7 @@ from typing import Any
 
 import fastbatch
 from fastbatch.patches import decode_slots
-from fastbatch.patches._patch import Patch
+from fastbatch.patches._patch import Patch, instance_dict_problem
 
 MODULE = "vllm.v1.core.sched.scheduler"
 
@@ -324,16 +324,10 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     _bind()
     _STOCK = method
     assert _SCHEDULERS is not None
-    # The compiled call reads and writes these through the request's instance
-    # dict: none may be a class attribute (a property, a default, a slot).
-    request_type = _KINDS[0] if _KINDS is not None else None
-    shadowed = [name for name in REQUEST_ATTRIBUTES if hasattr(request_type, name)]
-    if shadowed:
-        return f"Request class attributes {shadowed} would be bypassed"
-    missing = [name for name in REQUEST_ATTRIBUTES
-               if name not in vars(_stand_in_requests()[0])]
-    if missing:
-        return f"Request instances lack {missing}"
+    # The compiled call reads and writes these through the request's dict.
+    problem = instance_dict_problem(_stand_in_requests()[0], REQUEST_ATTRIBUTES)
+    if problem is not None:
+        return problem
     # Request i samples tokens[(step + 3 * i) % 24]: a stop token (31) and EOS (2)
     # come by after several block boundaries (blocks of 4).
     tokens = [7 + index for index in range(24)]
