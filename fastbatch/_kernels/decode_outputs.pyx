@@ -252,11 +252,11 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
     prompt_logprobs = model_runner_output.prompt_logprobs_dict
     prompt_token_logprobs = model_runner_output.prompt_token_id_logprobs_dict
     for name, checked in (("scheduler.requests", requests),
-                        ("num_scheduled_tokens", scheduled),
-                        ("scheduled_spec_decode_tokens", spec_tokens),
-                        ("req_id_to_index", index_of),
-                        ("prompt_logprobs_dict", prompt_logprobs),
-                        ("prompt_token_id_logprobs_dict", prompt_token_logprobs)):
+                          ("num_scheduled_tokens", scheduled),
+                          ("scheduled_spec_decode_tokens", spec_tokens),
+                          ("req_id_to_index", index_of),
+                          ("prompt_logprobs_dict", prompt_logprobs),
+                          ("prompt_token_id_logprobs_dict", prompt_token_logprobs)):
         if not isinstance(checked, dict):
             raise TypeError(f"{name} must be a dict, got {type(checked).__name__}")
     if not isinstance(sampled, list):
