@@ -10,8 +10,9 @@ tools/tiny_model.py (its forward pass is cheap, as on a GPU),
 ``OMP_NUM_THREADS=1``.  Each run is a fresh process of tools/vllm_generate.py
 ``--profile-step``: after ``LLM(...)`` is built (fastbatch's patches, if any,
 installed), every function of tools/function_timers.py's ``STEP_FUNCTIONS``
-is wrapped with a timer where it is looked up; a warm-up generate of the same
-prompts runs first and is not counted.
+is wrapped with a timer where it is looked up (``--coarse``: not those called
+once per request, whose timers weigh on the scheduler's rows); a warm-up
+generate of the same prompts runs first and is not counted.
 
 Workloads, each at every ``--concurrency`` C (C prompts, ``max_num_seqs`` C,
 EOS ignored, the same ``max_tokens`` for all):
@@ -257,6 +258,10 @@ def main() -> None:
                              "up to 256 requests, 64 above)")
     parser.add_argument("--runs", type=int, default=3, help="runs each way (default 3)")
     parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--coarse", action="store_true",
+                        help="no timers on the functions called once per request "
+                             "(function_timers.PER_REQUEST_FUNCTIONS): the scheduler's rows "
+                             "without their overhead")
     args = parser.parse_args()
     if args.max_tokens is None:
         max_tokens = [128 if c <= 256 else 64 for c in args.concurrency]
@@ -278,6 +283,7 @@ def main() -> None:
         for name, concurrency, tokens in configs:
             runs: dict[str, list[dict]] = {"stock": [], "fastbatch": []}
             arguments = run_arguments(WORKLOADS[name], concurrency, tokens, model)
+            arguments += ["--coarse"] if args.coarse else []
             for _ in range(args.runs):
                 for variant in runs:
                     done += 1

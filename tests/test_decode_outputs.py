@@ -2,8 +2,9 @@
 
 Against the REAL vLLM 0.33.0 scheduler (tox -e vllm), no model: the lockstep
 harness (``scheduler_lockstep``) drives a stock scheduler and one whose
-``update_from_output`` goes through fastbatch (alone, and together with the
-``scheduler`` piece's ``allocate_slots``), with the same requests and model
+``update_from_output`` goes through fastbatch (alone, and together with every
+other scheduler piece: ``allocate_slots``, ``_update_after_schedule``,
+``_make_cached_request_data``), with the same requests and model
 outputs, and compares scheduler outputs, engine-core outputs, the KV-cache
 state and every request after every step, over workloads that leave the fast
 path (prefix caching on and off, async and sync scheduling, EOS, stop tokens,
@@ -35,8 +36,8 @@ from vllm.v1.request import RequestStatus
 
 import fastbatch
 from fastbatch import _kernels, _reference, vllm_plugin
+from fastbatch.patches import after_schedule, cached_requests, decode_slots
 from fastbatch.patches import decode_outputs as patch
-from fastbatch.patches import decode_slots
 from leaks import assert_no_leak
 
 pytestmark = pytest.mark.vllm
@@ -53,11 +54,18 @@ def make_fast(workload: lockstep.Workload):
     return scheduler
 
 
-def make_fast_with_slots(workload: lockstep.Workload):
+def make_fast_with_every_scheduler_piece(workload: lockstep.Workload):
+    """As ``FASTBATCH=1`` leaves a scheduler: this piece with ``scheduler``
+    (``allocate_slots``), ``after_schedule`` and ``cached_requests``."""
     scheduler = make_fast(workload)
     decode_slots.bind()
     manager = scheduler.kv_cache_manager
     manager.allocate_slots = MethodType(decode_slots.allocate_slots, manager)
+    after = (after_schedule._update_after_schedule_async if workload.async_scheduling
+             else after_schedule._update_after_schedule)
+    scheduler._update_after_schedule = MethodType(after, scheduler)
+    scheduler._make_cached_request_data = MethodType(
+        cached_requests._make_cached_request_data, scheduler)
     return scheduler
 
 
@@ -73,11 +81,16 @@ def test_lockstep_fast_path_matches_stock(workload):
         assert harness.preemptions > 0
 
 
-@pytest.mark.parametrize("workload", [lockstep.WORKLOADS[3], lockstep.WORKLOADS[7],
-                                      lockstep.WORKLOADS[11]], ids=lambda w: w.name)
-def test_lockstep_with_the_allocation_fast_path_too(workload):
-    lockstep.Lockstep(workload, seed=8, make_fast=make_fast_with_slots).run(
-        max(60, STEPS_PER_WORKLOAD // 2))
+@pytest.mark.parametrize("workload", lockstep.WORKLOADS, ids=lambda w: w.name)
+def test_lockstep_with_every_scheduler_piece(workload):
+    fastbatch.reset_stats()
+    harness = lockstep.Lockstep(workload, seed=8,
+                                make_fast=make_fast_with_every_scheduler_piece)
+    harness.run(STEPS_PER_WORKLOAD)
+    counters = fastbatch.stats()
+    for counter in ("scheduler_fast_outputs", "scheduler_noop_allocations",
+                    "after_schedule_requests", "cached_requests_requests"):
+        assert counters[counter] > 0, counter
 
 
 @pytest.mark.parametrize("workload", [lockstep.WORKLOADS[3], lockstep.WORKLOADS[6]],

@@ -227,8 +227,11 @@ def test_fastbatch_gives_stock_tokens_and_really_ran(generate):
     assert stats["parse_output_calls"] == stats["draft_lists_calls"] == 0  # no spec
     # The scheduler (same process here) answered decode allocations itself.
     assert stats["scheduler_noop_allocations"] > 100
-    # ...and took the plain decodes of its step update itself.
+    # ...took the plain decodes of its step update itself, and did its
+    # after-schedule and cached-request loops in one compiled call each.
     assert stats["scheduler_fast_outputs"] > 100
+    assert stats["after_schedule_requests"] > 100
+    assert stats["cached_requests_requests"] > 100
 
     # The output history mattered: penalties changed outputs, bad words held.
     changed = [label for label, ids, plain in zip(

@@ -41,6 +41,7 @@ from collections import Counter
 
 from function_timers import (
     INSTANCE_STEP_FUNCTIONS,
+    PER_REQUEST_FUNCTIONS,
     STEP_FUNCTIONS,
     FunctionTimers,
     seconds_per_timed_call,
@@ -216,6 +217,9 @@ def main() -> None:
                         help="time every function of the step (tools/function_timers.py "
                              "STEP_FUNCTIONS; needs in-process vLLM), after a warm-up "
                              "generate of the same prompts")
+    parser.add_argument("--coarse", action="store_true",
+                        help="with --profile-step: no timers on the functions called once "
+                             "per request (their cost lands in the scheduler's rows)")
     parser.add_argument("--warmup-tokens", type=int, default=16,
                         help="with --profile-step: max_tokens of the warm-up generate")
     parser.add_argument("--no-plain", action="store_true",
@@ -274,7 +278,9 @@ def main() -> None:
     if args.time_method:
         timers = FunctionTimers(REPLACED_FUNCTIONS)
     elif args.profile_step:
-        timers = FunctionTimers(STEP_FUNCTIONS, INSTANCE_STEP_FUNCTIONS,
+        functions = {label: where for label, where in STEP_FUNCTIONS.items()
+                     if not (args.coarse and label in PER_REQUEST_FUNCTIONS)}
+        timers = FunctionTimers(functions, INSTANCE_STEP_FUNCTIONS,
                                 _in_process_engine_core(llm))
         warmup = [SamplingParams(temperature=0.0, max_tokens=args.warmup_tokens,
                                  ignore_eos=True, **settings[i % len(settings)][1])
