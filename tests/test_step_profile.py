@@ -30,10 +30,12 @@ CALLED = [
 ]
 
 
-def test_step_profile_runs_and_outputs_match(tmp_path):
+@pytest.mark.parametrize("coarse", [False, True], ids=["every-function", "coarse"])
+def test_step_profile_runs_and_outputs_match(tmp_path, coarse):
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / "step_profile.py"), "--workloads", "spec-repetition",
-         "--concurrency", "8", "--max-tokens", "8", "--runs", "1", "--out", str(tmp_path)],
+         "--concurrency", "8", "--max-tokens", "8", "--runs", "1", "--out", str(tmp_path),
+         *(["--coarse"] if coarse else [])],
         capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-5000:]
 
@@ -47,11 +49,15 @@ def test_step_profile_runs_and_outputs_match(tmp_path):
         assert summary["output_tokens"] == 64
         rows = summary["rows"]
         assert set(profile["functions"]) <= rows.keys()
+        # --coarse: no timer on the per-request functions, so none of their rows.
+        assert ("check_stop" in rows) is not coarse
+        assert ("check_stop" in profile["functions"]) is not coarse
         for label in CALLED_EVERY_STEP:
             assert rows[label]["calls_per_step"] >= 0.75, (variant, label)
             assert rows[label]["us_per_step"] > 0, (variant, label)
         for label in CALLED:
-            assert rows[label]["calls_per_step"] > 0, (variant, label)
+            if label in profile["functions"]:
+                assert rows[label]["calls_per_step"] > 0, (variant, label)
         assert rows["runner's own CPU"]["us_per_step"] > 0
         assert rows["scheduler"]["us_per_step"] > 0
     assert not any(config["stock"]["patches"].values())

@@ -222,7 +222,10 @@ def update_from_output(self: Any, scheduler_output: Any,
     if _KINDS is None:
         _bind()
     variant = _variant(self)
-    if variant is None or not _step_is_plain(self, model_runner_output):
+    if (variant is None or not _step_is_plain(self, model_runner_output)
+            # Spec decoding with drafts for every request: nothing to take.
+            or len(scheduler_output.scheduled_spec_decode_tokens)
+            >= len(scheduler_output.num_scheduled_tokens)):
         return _STOCK(self, scheduler_output, model_runner_output)
     taken = fastbatch.take_decode_outputs(self, scheduler_output, model_runner_output,
                                           _KINDS, variant)
