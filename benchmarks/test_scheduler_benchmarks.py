@@ -6,8 +6,9 @@ of 16, prefix caching on, vLLM's default); one round is one engine step:
 ``schedule()`` and ``update_from_output()`` of the step before (async
 scheduling's order), one sampled token per request.  About one request in 16
 crosses a block boundary in any step, as in a real decode.  Variants:
-``stock`` (vLLM's own code) and ``fastbatch`` (the KV manager's
-``allocate_slots`` through the ``scheduler`` piece).  Before timing, both
+``stock`` (vLLM's own code) and ``fastbatch`` (the four scheduler pieces bound
+on this scheduler: ``allocate_slots``, ``update_from_output``,
+``_update_after_schedule``, ``_make_cached_request_data``).  Before timing, both
 variants run 8 steps side by side from the same start, and their scheduler
 outputs, engine-core outputs, KV-cache and request state must be equal, so
 ``--benchmark-disable`` (CI) still checks them.  As vLLM's EngineCore does
@@ -27,7 +28,7 @@ from typing import Any
 import pytest
 import scheduler_lockstep as lockstep
 
-from fastbatch.patches import decode_slots as patch
+from fastbatch.patches import after_schedule, cached_requests, decode_outputs, decode_slots
 
 ROUND_BUDGET_S = 1.0
 MAX_ROUNDS = 400  # every request stays far below max_model_len
@@ -45,9 +46,15 @@ class DecodeState:
             max_model_len=4096)
         self.scheduler = lockstep.make_scheduler(workload)
         if variant == "fastbatch":
-            patch.bind()
-            manager = self.scheduler.kv_cache_manager
-            manager.allocate_slots = MethodType(patch.allocate_slots, manager)
+            decode_slots.bind()
+            scheduler, manager = self.scheduler, self.scheduler.kv_cache_manager
+            manager.allocate_slots = MethodType(decode_slots.allocate_slots, manager)
+            scheduler.update_from_output = MethodType(decode_outputs.update_from_output,
+                                                      scheduler)
+            scheduler._update_after_schedule = MethodType(
+                after_schedule._update_after_schedule_async, scheduler)
+            scheduler._make_cached_request_data = MethodType(
+                cached_requests._make_cached_request_data, scheduler)
         rng = random.Random(0)
         for index in range(requests):
             spec = lockstep.RequestSpec(
