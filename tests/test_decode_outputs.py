@@ -206,6 +206,11 @@ def test_bad_input_changes_nothing(implementation):
     runner_output.sampled_token_ids = [[7.0]]
     assert implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
                                               patch._KINDS, 0) is None
+    # A request id that is not a str: the whole step is vLLM's.
+    runner_output.sampled_token_ids = [[7]]
+    scheduler_output.num_scheduled_tokens = {"r0": 1, 5: 1}
+    assert implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
+                                              patch._KINDS, 0) is None
     assert _plain(None, scheduler) == before
 
 

@@ -288,6 +288,8 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
         while PyDict_Next(scheduled, &pos, &key, &value):
             req_id = <object>key
             num_obj = <object>value
+            if type(req_id) is not str:
+                return None  # the slots tell ids (str) from outputs by type
             request = (<dict>requests).get(req_id)
             if request is not None and request.client_index != 0:
                 return None  # outputs of several front-ends: vLLM's loop orders them

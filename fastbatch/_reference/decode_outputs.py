@@ -223,6 +223,8 @@ def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_outp
     rest: dict[Any, Any] = {}
     taken: list[tuple[Any, tuple[int, int]]] = []
     for req_id, num_scheduled in scheduled.items():
+        if type(req_id) is not str:
+            return None  # the slots tell ids (str) from outputs by type
         request = requests.get(req_id)
         if request is not None and request.client_index != 0:
             return None
