@@ -17,9 +17,13 @@ import fastbatch
 from fastbatch import vllm_plugin
 from subprocesses import OUTSIDE_THE_CHECKOUT
 
-# The pieces that replace the scheduler's code, which Model Runner V2 runs too.
-SCHEDULER_PIECES = [name for name, module in vllm_plugin.PATCHES.items()
-                    if importlib.import_module(module).PATCH.acts_under_v2]
+
+def scheduler_pieces() -> list[str]:
+    """The pieces that replace the scheduler's code, which Model Runner V2 runs
+    too (importing every patch module needs torch: only the vLLM tests call it)."""
+    return [name for name, module in vllm_plugin.PATCHES.items()
+            if importlib.import_module(module).PATCH.acts_under_v2]
+
 
 # Makes vLLM unimportable, then runs the self-check as ``python -m`` does.
 WITHOUT_VLLM = textwrap.dedent("""
@@ -96,14 +100,14 @@ def test_on_model_runner_v2_only_the_scheduler_piece_would_act():
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "runner pieces would stay idle" in result.stdout
     assert result.stdout.splitlines()[-1] == (
-        "verdict: with FASTBATCH=1 these pieces would act: " + ", ".join(SCHEDULER_PIECES))
+        "verdict: with FASTBATCH=1 these pieces would act: " + ", ".join(scheduler_pieces()))
 
 
 @pytest.mark.vllm
 def test_on_model_runner_v2_nothing_would_act():
     result = _self_check("-m", "fastbatch", VLLM_TARGET_DEVICE="cpu",
                          VLLM_USE_V2_MODEL_RUNNER="1",
-                         FASTBATCH_DISABLE=",".join(["spec", *SCHEDULER_PIECES]),
+                         FASTBATCH_DISABLE=",".join(["spec", *scheduler_pieces()]),
                          FASTBATCH_VERIFY="often")
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     out = result.stdout
