@@ -162,6 +162,18 @@ def test_compiled_matches_twin(cls, caching, specs, cache_some, variant):
     assert _plain(compiled, compiled_side[0]) == _plain(twin, twin_side[0])
 
 
+@pytest.mark.parametrize("cls", [Scheduler, AsyncScheduler])
+def test_a_plain_decode_is_taken_alike_by_both(cls):
+    """The generated states above may all be left to vLLM; these are taken."""
+    patch._bind()
+    specs = [(3, 7, 1, 1, RequestStatus.RUNNING, 14), (2, 9, 1, 1, RequestStatus.RUNNING, 14)]
+    compiled_side, twin_side = (_state(cls, True, specs, True) for _ in range(2))
+    compiled = _kernels.take_decode_outputs(*compiled_side, patch._KINDS, 0)
+    twin = _reference.take_decode_outputs(*twin_side, patch._KINDS, 0)
+    assert compiled is not None and not compiled[1]  # both taken, none left
+    assert _plain(compiled, compiled_side[0]) == _plain(twin, twin_side[0])
+
+
 @pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
 def test_merge(implementation):
     first, third = SimpleNamespace(request_id="a"), SimpleNamespace(request_id="c")

@@ -189,14 +189,14 @@ def _variant(scheduler: Any) -> int | None:
 
 def _step_is_plain(scheduler: Any, model_runner_output: Any) -> bool:
     """Nothing in this step that vLLM's loop handles around the requests."""
-    perf_metrics = getattr(scheduler, "perf_metrics", None)
+    perf_metrics = scheduler.perf_metrics
     return (model_runner_output.kv_connector_output is None
             and model_runner_output.ec_connector_output is None
             and not model_runner_output.pooler_output
             and bool(model_runner_output.sampled_token_ids)
             and scheduler.connector is None and scheduler.ec_connector is None
-            and getattr(scheduler, "aux_output_connector", None) is None
-            and not getattr(scheduler, "return_sampling_mask", False)
+            and scheduler.aux_output_connector is None
+            and not scheduler.return_sampling_mask
             and not scheduler.defer_block_free
             and not scheduler.grammar_compile_error_reqs
             and not scheduler.encoder_cache_mismatch_reqs
