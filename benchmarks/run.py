@@ -1,6 +1,6 @@
-"""The main demonstration: the microbenchmark grid, a table, JSON and a plot.
+"""The microbenchmark grid against stock vLLM 0.33.0: a table, JSON and plots.
 
-    tox -e bench                      # installs vLLM 0.33.0 (CPU) and runs this
+    tox -e bench-micro                # installs vLLM 0.33.0 (CPU) and runs this
     python benchmarks/run.py --out results   # inside an environment that has it
 
 Runs benchmarks/test_update_benchmarks.py, test_spec_benchmarks.py and
@@ -16,9 +16,10 @@ median per-round ratios fastbatch vs stock vLLM 0.33.0, vs the vLLM <= 0.21
 forward scan and vs the floor with their quartiles, the medians of the
 runner pieces' cells (test_bookkeeping_benchmarks.py,
 test_runner_input_benchmarks.py, test_row_lists_benchmarks.py: stock and
-fastbatch timed as separate pytest-benchmark tests, not paired), and the
-targets.  test_verify_benchmarks.py's FASTBATCH_VERIFY costs are in the raw
-JSON (group ``verify``).  Arguments it does not know go to pytest
+fastbatch timed as separate pytest-benchmark tests, not paired), the machine
+and the grid's wall time.  test_verify_benchmarks.py's FASTBATCH_VERIFY costs are in the raw
+JSON (group ``verify``).  The engine itself: benchmarks/engine.py
+(``tox -e bench``).  Arguments it does not know go to pytest
 (e.g. ``-k penalties``); the report covers the groups that ran.
 """
 
@@ -91,69 +92,6 @@ def over_floor(paired: dict) -> dict:
     floor = paired["ratios"]["floor"]
     return {"median": 1 / floor["median"], "q1": 1 / floor["q3"], "q3": 1 / floor["q1"],
             "min": 1 / floor["max"], "max": 1 / floor["min"]}
-
-
-def check_targets(cells: dict, grid_seconds: float, spec: dict | None = None,
-                  penalty: dict | None = None) -> list[dict]:
-    """The targets of the benchmark issues, measured (medians of the per-round
-    ratios); never asserted in tests.  Each group's targets only if that group
-    ran in full (it does in the full grid)."""
-    targets = []
-
-    def add(name, value, goal, ok):
-        targets.append({"target": name, "measured": round(value, 3), "goal": goal, "met": ok})
-
-    if cells:
-        try:
-            update_targets(cells, add)
-        except (KeyError, ValueError):  # a partial grid (pytest -k)
-            print("output-token update targets skipped: not every cell ran")
-    spec_at_256 = [ratio(paired, "stock") for (n, _), paired in (spec or {}).items()
-                   if n == 256]
-    if spec_at_256:
-        add("spec tokens: stock / fastbatch at 256 requests (worst k)", min(spec_at_256),
-            ">= 10", min(spec_at_256) >= 10)
-    if (256, 4000) in (penalty or {}):
-        value = ratio(penalty[(256, 4000)], "stock")
-        add("penalties: stock (conversion + masking) / fastbatch (conversion, no masking) "
-            "at 256 x 4000", value, ">= 5", value >= 5)
-        value = ratio(penalty[(256, 4000)], "stock_convert")
-        add("penalties: stock conversion alone / fastbatch at 256 x 4000", value,
-            ">= 5", value >= 5)
-    add("grid wall time, minutes", grid_seconds / 60, "< 10", grid_seconds < 600)
-    return targets
-
-
-def update_targets(cells: dict, add) -> None:
-    """The output-token update's targets."""
-    def fb(mode, n, length):
-        return cells[(mode, n, length, False)]["median_seconds"]["fastbatch"]
-
-    for mode in ("decode", "spec"):
-        value = ratio(cells[(mode, 256, 4000, False)], "stock")
-        add(f"{mode}: stock / fastbatch at 256 x 4000, warm", value, ">= 15", value >= 15)
-    for mode, n in (("decode", 1024), ("spec", 256)):
-        if (mode, n, 4000, True) in cells:
-            value = ratio(cells[(mode, n, 4000, True)], "stock")
-            add(f"{mode}: stock / fastbatch at {n} x 4000, cold", value, ">= 12", value >= 12)
-    for n in (256, 1024):
-        worst = max(over_floor(cells[("decode", n, length, False)])["median"]
-                    for length in (100, 4000, 60000))
-        add(f"decode: fastbatch / floor at {n} requests (worst length)", worst, "<= 1.3",
-            worst <= 1.3)
-    for n in (1, 64, 256, 1024, 4096):
-        flat = max(fb(mode, n, 60000) / fb(mode, n, 100) for mode in ("decode", "spec"))
-        floor_flat = (cells[("decode", n, 60000, False)]["median_seconds"]["floor"]
-                      / cells[("decode", n, 100, False)]["median_seconds"]["floor"])
-        add(f"fastbatch at 60000 / at 100 tokens, {n} requests (floor: {floor_flat:.2f})",
-            flat, "<= 1.2", flat <= 1.2)
-    worst_small = min(ratio(cells[(mode, 1, length, False)], "stock")
-                      for mode in ("decode", "spec") for length in (100, 4000, 60000))
-    add("stock / fastbatch at 1 request (worst cell)", worst_small, ">= 1", worst_small >= 1)
-    worst_idle = min(ratio(paired, "stock") for key, paired in cells.items()
-                     if key[0] == "idle")
-    add("stock / fastbatch, nothing needed (worst cell)", worst_idle, ">= 1 (same path)",
-        worst_idle >= 0.97)
 
 
 def _spread(values: dict) -> str:
@@ -415,7 +353,6 @@ def main() -> None:
     bookkeeping = load_bookkeeping(raw)
     runner_groups = load_runner_groups(raw)
     row_lists = load_row_lists(raw)
-    targets = check_targets(cells, grid_seconds, spec, penalty)
     import vllm
 
     import fastbatch
@@ -426,7 +363,6 @@ def main() -> None:
     summary_path.write_text(json.dumps({
         "machine": machine_line,
         "grid_seconds": grid_seconds,
-        "targets": targets,
         "output_tokens": {f"{m}{'-cold' if c else ''}-{n}x{length}": p
                           for (m, n, length, c), p in sorted(cells.items())},
         "spec_tokens": {f"{n}xk{k}": p for (n, k), p in sorted(spec.items())},
@@ -459,10 +395,6 @@ def main() -> None:
         print_bookkeeping_table(bookkeeping)
     print_runner_tables(runner_groups)
     print_row_lists(row_lists)
-    print("\ntargets")
-    for target in targets:
-        print(f"  {'met   ' if target['met'] else 'MISSED'} {target['target']}: "
-              f"{target['measured']} (goal {target['goal']})")
     print(f"\nmachine: {machine_line}\ngrid wall time: {grid_seconds:.0f} s")
 
 

@@ -19,6 +19,8 @@ EOS ignored, the same ``max_tokens`` for all):
 
   greedy           plain greedy decode
   repetition       a repetition penalty on every request
+  logprobs         greedy, ``logprobs=1`` on every request (the sampled token's
+                   logprob and the top one's: vLLM's per-request output path)
   spec             greedy, speculative decoding with the draft-model setup of
                    the end-to-end tests (the tiny model drafts for itself, 3 tokens)
   spec-repetition  spec with a repetition penalty on every request: the only
@@ -31,9 +33,12 @@ spread.  Derived rows: "runner's own CPU" = ``execute_model`` +
 ``sample_tokens`` - ``_model_forward`` - ``_sample`` - the draft model's
 forward passes (spec only); "scheduler" = ``schedule`` + ``update_from_output``;
 "timer overhead" = timed calls x the measured cost of one timer (it lands in
-the callers' rows).  Runs alternate stock / fastbatch; outputs must be
-identical.  Writes OUT/step_profile.json and OUT/step_profile.md, and prints
-the markdown, the summary last.
+the callers' rows).  Runs alternate stock / fastbatch; outputs (token ids, and
+logprobs where asked for) must be identical.  Writes OUT/step_profile.json and
+OUT/step_profile.md, and prints the markdown, the summary last.
+
+benchmarks/engine.py (``tox -e bench``) reuses this script's runs for its
+compact stock-against-fastbatch table.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ WORKLOADS = {
     "greedy": {"describe": "plain greedy", "settings": "greedy", "spec": False},
     "repetition": {"describe": "repetition penalty 1.2 on every request",
                    "settings": "repetition", "spec": False},
+    "logprobs": {"describe": "greedy, logprobs=1 on every request", "settings": "logprobs",
+                 "spec": False},
     "spec": {"describe": f"greedy, draft model (itself), k={NUM_SPECULATIVE_TOKENS}",
              "settings": "greedy", "spec": True},
     "spec-repetition": {"describe": f"repetition penalty 1.2, draft model (itself), "
@@ -71,7 +78,7 @@ DERIVED = {
     "scheduler": (["Scheduler.schedule", "Scheduler.update_from_output"], []),
 }
 TIMER_OVERHEAD = "timer overhead (est.)"
-# The summary's columns: the rows the targets of issues 9 and 12 are about.
+# The summary's columns.
 SUMMARY_ROWS = [STEP, "GPUModelRunner._model_forward", "runner's own CPU", "scheduler"]
 
 
@@ -134,21 +141,32 @@ def summarise_variant(reports: list[dict]) -> dict:
     }
 
 
-def summarise(name: str, concurrency: int, max_tokens: int,
-              runs: dict[str, list[dict]]) -> dict:
-    reference = runs["stock"][0]["token_ids"]
+def check_identical(name: str, concurrency: int, runs: dict[str, list[dict]]) -> list[str]:
+    """Exit (non-zero) unless every run's token ids, and logprobs where the
+    workload asks for them, equal stock run 1's; what was compared."""
+    reference = runs["stock"][0]
+    compared = ["token_ids"] + (["logprobs"] if any(
+        "logprobs" in report for reports in runs.values() for report in reports) else [])
     for variant, reports in runs.items():
         for i, report in enumerate(reports):
-            if report["token_ids"] != reference:
-                sys.exit(f"{name} at {concurrency}: outputs of {variant} run {i + 1} differ "
-                         "from stock run 1")
+            for key in compared:
+                if report.get(key) != reference.get(key):
+                    sys.exit(f"{name} at {concurrency}: {key} of {variant} run {i + 1} "
+                             "differ from stock run 1")
+    return compared
+
+
+def summarise(name: str, concurrency: int, max_tokens: int,
+              runs: dict[str, list[dict]]) -> dict:
+    compared = check_identical(name, concurrency, runs)
     if any(report["workers"][0]["installed"] for report in runs["stock"]):
         sys.exit("fastbatch was installed in a stock run")
     if not all(report["workers"][0]["installed"] for report in runs["fastbatch"]):
         sys.exit("fastbatch was not installed in a FASTBATCH=1 run")
     result = {"workload": name, "describe": WORKLOADS[name]["describe"],
               "concurrency": concurrency, "max_tokens": max_tokens,
-              "runs": len(runs["stock"]), "outputs_identical": True}
+              "runs": len(runs["stock"]), "outputs_identical": True,
+              "outputs_compared": compared}
     for variant, reports in runs.items():
         result[variant] = summarise_variant(reports)
     result["tokens_per_s_ratio"] = (result["fastbatch"]["tokens_per_s"]
@@ -248,6 +266,32 @@ def markdown_summary(results: list[dict]) -> list[str]:
     return lines
 
 
+def measure(configs: list[tuple[str, int, int]], runs_each: int, coarse: bool) -> list[dict]:
+    """For each (workload, concurrency, max_tokens): ``runs_each`` runs each
+    way, alternating stock / fastbatch, each a fresh process on the tiny model;
+    ``summarise``'s result (it exits if outputs differ)."""
+    total = len(configs) * runs_each * 2
+    results = []
+    with tempfile.TemporaryDirectory() as scratch:
+        model = make_tiny_model(Path(scratch) / "tiny-llama")
+        done = 0
+        for name, concurrency, tokens in configs:
+            runs: dict[str, list[dict]] = {"stock": [], "fastbatch": []}
+            arguments = run_arguments(WORKLOADS[name], concurrency, tokens, model)
+            arguments += ["--coarse"] if coarse else []
+            for _ in range(runs_each):
+                for variant in runs:
+                    done += 1
+                    report = run_vllm(model, variant == "fastbatch", arguments,
+                                      Path(scratch) / f"run-{done}.json")
+                    runs[variant].append(report)
+                    print(f"[{done}/{total}] {name} at {concurrency}, {variant}: "
+                          f"{report['tokens_per_s']:.0f} tokens/s", file=sys.stderr,
+                          flush=True)
+            results.append(summarise(name, concurrency, tokens, runs))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS),
@@ -275,25 +319,7 @@ def main() -> None:
 
     configs = [(name, concurrency, tokens) for concurrency, tokens
                in zip(args.concurrency, max_tokens, strict=True) for name in args.workloads]
-    total = len(configs) * args.runs * 2
-    results = []
-    with tempfile.TemporaryDirectory() as scratch:
-        model = make_tiny_model(Path(scratch) / "tiny-llama")
-        done = 0
-        for name, concurrency, tokens in configs:
-            runs: dict[str, list[dict]] = {"stock": [], "fastbatch": []}
-            arguments = run_arguments(WORKLOADS[name], concurrency, tokens, model)
-            arguments += ["--coarse"] if args.coarse else []
-            for _ in range(args.runs):
-                for variant in runs:
-                    done += 1
-                    report = run_vllm(model, variant == "fastbatch", arguments,
-                                      Path(scratch) / f"run-{done}.json")
-                    runs[variant].append(report)
-                    print(f"[{done}/{total}] {name} at {concurrency}, {variant}: "
-                          f"{report['tokens_per_s']:.0f} tokens/s", file=sys.stderr,
-                          flush=True)
-            results.append(summarise(name, concurrency, tokens, runs))
+    results = measure(configs, args.runs, args.coarse)
 
     settings = {"workloads": args.workloads, "concurrency": args.concurrency,
                 "max_tokens": max_tokens, "runs": args.runs,

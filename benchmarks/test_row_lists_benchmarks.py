@@ -32,7 +32,7 @@ from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.worker.gpu_model_runner import AsyncGPUModelRunnerOutput, GPUModelRunner
 
 from fastbatch.patches import async_spec_token_ids as spec_patch
-from fastbatch.patches import draft_lists, rejection_lists, sampled_lists
+from fastbatch.patches import draft_token_ids, parse_output, get_output
 
 ROUND_BUDGET_S = 0.3  # per benchmark: enough rounds for a steady median
 REQUESTS = (1, 256, 1024)
@@ -46,9 +46,9 @@ STOCK = {
 assert not any(getattr(m, "__fastbatch__", False) for m in STOCK.values()), \
     "benchmarks need stock vLLM"
 FASTBATCH = {
-    "get_output": sampled_lists.get_output,
-    "parse_output": rejection_lists.parse_output,
-    "drafts": draft_lists._get_draft_token_ids_cpu,
+    "get_output": get_output.get_output,
+    "parse_output": parse_output.parse_output,
+    "drafts": draft_token_ids._get_draft_token_ids_cpu,
 }
 
 

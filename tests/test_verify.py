@@ -138,7 +138,7 @@ def test_output_without_divergence_keeps_fastbatch_result(verify):
     patch.original()(stock)
     InputBatch.update_async_output_token_ids(ours)
     assert ours.req_output_token_ids == stock.req_output_token_ids
-    assert fastbatch.stats()["calls"] == 1  # fastbatch did the call
+    assert fastbatch.stats()["async_output_token_ids"]["calls"] == 1  # fastbatch did the call
     # vLLM's copy ran too, with the same event: both synchronised it.
     assert ours.async_copy_ready_event.count == 2
     checked = vllm_plugin.status()["verify"]
@@ -183,11 +183,11 @@ def test_output_divergence_keeps_vllm_result_in_the_same_lists(verify, monkeypat
     # From now on the piece is vLLM's code: the kernel is not called again.
     monkeypatch.setattr(fastbatch, "update_async_output_token_ids",
                         output_kernel_wrong_for_big_ids)
-    calls = fastbatch.stats()["calls"]
+    calls = fastbatch.stats()["async_output_token_ids"]["calls"]
     again, _ = _real_input_batch(batch)
     InputBatch.update_async_output_token_ids(again)
     assert again.req_output_token_ids == stock.req_output_token_ids
-    assert fastbatch.stats()["calls"] == calls
+    assert fastbatch.stats()["async_output_token_ids"]["calls"] == calls
     assert vllm_plugin.status()["verify"]["divergences"]["output"] == 1
     assert len(list(folder.iterdir())) == 1
 

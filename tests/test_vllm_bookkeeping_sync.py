@@ -164,8 +164,8 @@ def test_patched_method_matches_real_vllm(step):
         valid_sampled_token_ids = got[1][3]
         updated = (len(step.discarded) - sum(step.discarded) if step.use_async
                    else sum(1 for ids in valid_sampled_token_ids if ids))
-        assert fastbatch.stats()["bookkeeping_calls"] == 1
-        assert fastbatch.stats()["bookkeeping_requests_updated"] == updated
+        assert fastbatch.stats()["bookkeeping_sync"]["calls"] == 1
+        assert fastbatch.stats()["bookkeeping_sync"]["requests_updated"] == updated
 
 
 def test_examples_cover_every_path():

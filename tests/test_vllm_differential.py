@@ -313,7 +313,7 @@ def test_apply_all_penalties_gives_the_same_logits_patched(unpinned, rows, seed)
             assert binding.apply_all_penalties is penalty_patch.apply_all_penalties
             fastbatch.reset_stats()
             assert torch.equal(penalised(binding), stock)
-            assert fastbatch.stats()["penalty_tensors"] == 1
+            assert fastbatch.stats()["penalty_output_tokens"]["tensors"] == 1
     finally:
         penalty_patch.revert()
     assert not any(penalty_patch.masking_skipped().values())

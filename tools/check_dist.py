@@ -25,11 +25,11 @@ def main(dist: Path) -> None:
                      "fastbatch/patches/penalty_output_tokens.py",
                      "fastbatch/patches/prev_positions.py",
                      "fastbatch/patches/prepare_input_ids.py",
-                     "fastbatch/patches/sampled_lists.py",
-                     "fastbatch/patches/rejection_lists.py",
-                     "fastbatch/patches/draft_lists.py",
-                     "fastbatch/patches/decode_slots.py",
-                     "fastbatch/patches/decode_outputs.py",
+                     "fastbatch/patches/get_output.py",
+                     "fastbatch/patches/parse_output.py",
+                     "fastbatch/patches/draft_token_ids.py",
+                     "fastbatch/patches/allocate_slots.py",
+                     "fastbatch/patches/update_from_output.py",
                      "fastbatch/patches/after_schedule.py",
                      "fastbatch/patches/cached_requests.py"):
         assert required in names, f"{required} missing from {wheel.name}"

@@ -16,7 +16,8 @@ The prompts mix sampling settings that need the output history (repetition,
 presence and frequency penalties, bad words) with plain greedy ones
 (``--settings mixed``), or use penalties only (``--settings penalties``), or
 are all plain greedy (``--settings greedy``) or all with a repetition penalty
-(``--settings repetition``);
+(``--settings repetition``) or all greedy with the sampled token's logprob
+(``--settings logprobs``: ``logprobs=1``; the report then has ``logprobs``);
 there are more prompts than ``max_num_seqs`` and their ``max_tokens`` differ
 (unless one fixed ``--max-tokens`` is given without ``--varied``), so
 requests join and leave mid-flight and rows are remapped between steps.
@@ -88,6 +89,8 @@ def _settings(kind: str, bad_words: list[str]) -> list[tuple[str, dict]]:
         return [("greedy", {})]
     if kind == "repetition":
         return [("repetition_penalty", {"repetition_penalty": 1.2})]
+    if kind == "logprobs":
+        return [("logprobs", {"logprobs": 1})]
     return [
         ("repetition_penalty", {"repetition_penalty": 1.5}),
         ("presence_penalty", {"presence_penalty": 1.0}),
@@ -97,6 +100,17 @@ def _settings(kind: str, bad_words: list[str]) -> list[tuple[str, dict]]:
                  "frequency_penalty": 0.5, "bad_words": bad_words}),
         ("plain", {}),
     ]
+
+
+def _logprobs(output) -> list[list[list]] | None:
+    """Per position, ``[token id, logprob, rank]`` of each logprob vLLM
+    returned (the sampled token's and the top ones), or None if none were
+    asked for."""
+    positions = output.outputs[0].logprobs
+    if positions is None:
+        return None
+    return [[[token, entry.logprob, entry.rank] for token, entry in position.items()]
+            for position in positions]
 
 
 def _contains(sequence: list[int], part: list[int]) -> bool:
@@ -196,12 +210,14 @@ def main() -> None:
                              "prompt)")
     parser.add_argument("--varied", action="store_true",
                         help="with --max-tokens N: N/2 to N, varying by prompt")
-    parser.add_argument("--settings", choices=("mixed", "penalties", "greedy", "repetition"),
+    parser.add_argument("--settings",
+                        choices=("mixed", "penalties", "greedy", "repetition", "logprobs"),
                         default="mixed",
                         help="mixed: penalties, bad words and plain greedy; penalties: "
                              "repetition/presence/frequency penalties on every prompt; "
                              "greedy: plain greedy; repetition: a repetition penalty on "
-                             "every prompt")
+                             "every prompt; logprobs: greedy with logprobs=1 on every "
+                             "prompt")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="default: vLLM's")
@@ -292,6 +308,9 @@ def main() -> None:
     outputs = llm.generate(prompts, params, use_tqdm=False)
     report["generate_s"] = time.perf_counter() - started
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+    logprobs = [_logprobs(o) for o in outputs]
+    if any(entry is not None for entry in logprobs):
+        report["logprobs"] = logprobs
     report["output_tokens"] = sum(map(len, token_ids))
     report["tokens_per_s"] = report["output_tokens"] / report["generate_s"]
     report["methods"] = timers.report() if args.time_method else {}

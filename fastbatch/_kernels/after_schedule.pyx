@@ -9,6 +9,8 @@ added as Python ints (exact at any size); the flags are set once, after the
 pass, to the value vLLM's ``|=`` leaves.
 """
 
+__all__ = ["update_after_schedule"]
+
 from libc.stdint cimport uint64_t
 
 cdef uint64_t _requests = 0
@@ -17,8 +19,8 @@ cdef uint64_t _stock_calls = 0
 
 def stats():
     """This piece's counters since import or the last ``reset_stats()``."""
-    return {"after_schedule_requests": _requests,
-            "after_schedule_stock_calls": _stock_calls}
+    return {"requests": _requests,
+            "stock_calls": _stock_calls}
 
 
 def reset_stats():

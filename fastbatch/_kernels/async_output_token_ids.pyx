@@ -32,6 +32,8 @@ cost about 1 us per call, which made a one-request step slower than vLLM's own
 loop.
 """
 
+__all__ = ["update_async_output_token_ids"]
+
 from cpython.buffer cimport PyBuffer_Release
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE, PyList_New
 from cpython.mem cimport PyMem_Free, PyMem_Realloc

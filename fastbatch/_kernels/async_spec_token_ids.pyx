@@ -5,6 +5,8 @@ Two passes, as every piece: plan (validate, mutate nothing), then apply.
 ``fastbatch._reference`` holds the same behaviour in plain Python.
 """
 
+__all__ = ["update_async_spec_token_ids"]
+
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
@@ -32,7 +34,7 @@ cdef uint64_t _spec_requests_updated = 0
 
 def stats():
     """This piece's counters since import or the last ``reset_stats()``."""
-    return {"spec_calls": _spec_calls, "spec_requests_updated": _spec_requests_updated}
+    return {"calls": _spec_calls, "requests_updated": _spec_requests_updated}
 
 
 def reset_stats():

@@ -6,6 +6,8 @@ Two passes, as every piece: plan (validate, mutate nothing), then apply.
 ``fastbatch._reference`` holds the same behaviour in plain Python.
 """
 
+__all__ = ["append_sampled_token_ids"]
+
 from cpython.buffer cimport (
     PyBUF_FORMAT,
     PyBUF_STRIDES,
@@ -45,9 +47,9 @@ cdef object _PLACEHOLDER = -1
 
 def stats():
     """This piece's counters since import or the last ``reset_stats()``."""
-    return {"bookkeeping_calls": _bookkeeping_calls,
-            "bookkeeping_requests_updated": _bookkeeping_requests_updated,
-            "bookkeeping_tokens_added": _bookkeeping_tokens_added}
+    return {"calls": _bookkeeping_calls,
+            "requests_updated": _bookkeeping_requests_updated,
+            "tokens_added": _bookkeeping_tokens_added}
 
 
 def reset_stats():

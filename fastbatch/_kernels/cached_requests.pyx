@@ -7,6 +7,8 @@ counter, as ``fastbatch._reference.cached_requests`` (see its module note);
 it only builds new objects.
 """
 
+__all__ = ["cached_request_lists"]
+
 from libc.stdint cimport uint64_t
 
 cdef uint64_t _requests = 0
@@ -14,7 +16,7 @@ cdef uint64_t _requests = 0
 
 def stats():
     """This piece's counters since import or the last ``reset_stats()``."""
-    return {"cached_requests_requests": _requests}
+    return {"requests": _requests}
 
 
 def reset_stats():

@@ -7,6 +7,8 @@ one new int64 tensor.  ``fastbatch._reference`` holds the same behaviour in
 plain Python.
 """
 
+__all__ = ["output_tokens_tensor"]
+
 from cpython.buffer cimport (
     PyBUF_RECORDS,
     PyBuffer_IsContiguous,
@@ -34,7 +36,7 @@ cdef uint64_t _penalty_tokens = 0
 
 def stats():
     """This piece's counters since import or the last ``reset_stats()``."""
-    return {"penalty_tensors": _penalty_tensors, "penalty_tokens": _penalty_tokens}
+    return {"tensors": _penalty_tensors, "tokens": _penalty_tokens}
 
 
 def reset_stats():

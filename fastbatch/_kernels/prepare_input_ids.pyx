@@ -8,6 +8,8 @@ allocated at their exact sizes.  ``fastbatch._reference`` holds the same
 behaviour in plain Python.
 """
 
+__all__ = ["prepare_input_ids_indices"]
+
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
@@ -38,9 +40,9 @@ cdef object _numpy_int64 = None  # first use (fastbatch itself needs no numpy)
 
 def stats():
     """This piece's counters since import or the last ``reset_stats()``."""
-    return {"input_ids_calls": _input_ids_calls,
-            "input_ids_common_requests": _input_ids_common_requests,
-            "input_ids_spec_tokens": _input_ids_spec_tokens}
+    return {"calls": _input_ids_calls,
+            "common_requests": _input_ids_common_requests,
+            "spec_tokens": _input_ids_spec_tokens}
 
 
 def reset_stats():

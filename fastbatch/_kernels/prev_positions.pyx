@@ -7,6 +7,8 @@ nothing), then write the whole column at once.  ``fastbatch._reference``
 holds the same behaviour in plain Python.
 """
 
+__all__ = ["compute_prev_positions"]
+
 from cpython.buffer cimport PyBUF_WRITABLE, PyBuffer_Release
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
@@ -31,8 +33,8 @@ cdef uint64_t _prev_positions_found = 0
 
 def stats():
     """This piece's counters since import or the last ``reset_stats()``."""
-    return {"prev_positions_calls": _prev_positions_calls,
-            "prev_positions_found": _prev_positions_found}
+    return {"calls": _prev_positions_calls,
+            "found": _prev_positions_found}
 
 
 def reset_stats():

@@ -41,11 +41,13 @@ Read off vLLM 0.33.0's code (pinned by the patch's guard):
 
 from __future__ import annotations
 
+__all__ = ["update_after_schedule"]
+
 from typing import Any
 
 from fastbatch._reference._common import Counters
 
-_COUNTERS = Counters(("after_schedule_requests", "after_schedule_stock_calls"))
+_COUNTERS = Counters(("requests", "stock_calls"))
 stats, reset_stats = _COUNTERS.stats, _COUNTERS.reset_stats
 
 
@@ -105,7 +107,7 @@ def update_after_schedule(scheduler: Any, scheduler_output: Any,
     is_async = spec_token_placeholders is not None
     batch = _plain_batch(scheduler, scheduler_output, is_async, request_type)
     if batch is None:
-        _COUNTERS.values["after_schedule_stock_calls"] += 1
+        _COUNTERS.values["stock_calls"] += 1
         return False
     if not batch:
         return True
@@ -146,5 +148,5 @@ def update_after_schedule(scheduler: Any, scheduler_output: Any,
     scheduler_output.has_structured_output_requests = has_structured
     if is_async:
         scheduler_output.pending_structured_output_tokens = pending_structured
-    _COUNTERS.values["after_schedule_requests"] += len(batch)
+    _COUNTERS.values["requests"] += len(batch)
     return True

@@ -22,6 +22,8 @@ list is changed:
 
 from __future__ import annotations
 
+__all__ = ["update_async_output_token_ids"]
+
 from collections.abc import Callable
 from typing import Any
 

@@ -6,9 +6,11 @@ Same signature, rules, errors and counters as
 
 from __future__ import annotations
 
+__all__ = ["update_async_spec_token_ids"]
+
 from fastbatch._reference._common import Counters, as_row, check_types
 
-_counters = Counters(("spec_calls", "spec_requests_updated"))
+_counters = Counters(("calls", "requests_updated"))
 stats, reset_stats = _counters.stats, _counters.reset_stats
 _stats = _counters.values
 
@@ -32,7 +34,7 @@ def update_async_spec_token_ids(
     """
     check_types(req_ids=(req_ids, list), prev_req_id_to_index=(prev_req_id_to_index, dict),
                  spec_token_ids=(spec_token_ids, list), draft_token_ids=(draft_token_ids, list))
-    _stats["spec_calls"] += 1
+    _stats["calls"] += 1
 
     # Pass 1: plan.  An empty list is never made non-empty by the loop (it
     # only shortens lists), so skipping empties here is exact.
@@ -69,5 +71,5 @@ def update_async_spec_token_ids(
             spec_ids.clear()
             spec_ids.extend(draft_ids)
             updated += 1
-    _stats["spec_requests_updated"] += updated
+    _stats["requests_updated"] += updated
     return updated

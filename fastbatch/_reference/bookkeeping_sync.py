@@ -6,13 +6,15 @@ Same signature, rules, errors and counters as
 
 from __future__ import annotations
 
+__all__ = ["append_sampled_token_ids"]
+
 import operator
 from typing import Any
 
 from fastbatch._reference._common import Counters, check_types
 
-_counters = Counters(("bookkeeping_calls", "bookkeeping_requests_updated",
-                      "bookkeeping_tokens_added"))
+_counters = Counters(("calls", "requests_updated",
+                      "tokens_added"))
 stats, reset_stats = _counters.stats, _counters.reset_stats
 _stats = _counters.values
 
@@ -61,7 +63,7 @@ def append_sampled_token_ids(
         raise TypeError(f"discarded must be a set or None, got {type(discarded).__name__}")
     if num_sampled_tokens < 0:
         raise ValueError(f"num_sampled_tokens must be >= 0, got {num_sampled_tokens}")
-    _stats["bookkeeping_calls"] += 1
+    _stats["calls"] += 1
     _check_array(num_tokens_no_spec, "num_tokens_no_spec", 1, "i")
     _check_array(token_ids_cpu, "token_ids_cpu", 2, "i")
     _check_array(is_token_ids, "is_token_ids", 2, "?")
@@ -127,6 +129,6 @@ def append_sampled_token_ids(
         num_tokens_no_spec[index] = start + count
         output_ids.extend(tokens)
         added += count
-    _stats["bookkeeping_requests_updated"] += len(plans)
-    _stats["bookkeeping_tokens_added"] += added
+    _stats["requests_updated"] += len(plans)
+    _stats["tokens_added"] += added
     return len(plans)

@@ -28,11 +28,13 @@ pinned by the patch's guard.  Nothing is changed, so an error (vLLM's
 
 from __future__ import annotations
 
+__all__ = ["cached_request_lists"]
+
 from typing import Any
 
 from fastbatch._reference._common import Counters, check_types
 
-_COUNTERS = Counters(("cached_requests_requests",))
+_COUNTERS = Counters(("requests",))
 stats, reset_stats = _COUNTERS.stats, _COUNTERS.reset_stats
 
 
@@ -92,6 +94,6 @@ def cached_request_lists(running_reqs: list[Any], resumed_reqs: list[Any],
         num_output = (len(request._output_token_ids) if type(request) is request_type
                       else request.num_output_tokens)
         num_output_tokens.append(num_output + request.num_output_placeholders)
-    _COUNTERS.values["cached_requests_requests"] += len(req_ids)
+    _COUNTERS.values["requests"] += len(req_ids)
     return (req_ids, resumed_req_ids, all_token_ids, new_block_ids, num_computed_tokens,
             num_output_tokens)

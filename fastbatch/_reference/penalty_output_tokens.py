@@ -7,12 +7,14 @@ speed.
 
 from __future__ import annotations
 
+__all__ = ["output_tokens_tensor"]
+
 import operator
 from typing import Any
 
 from fastbatch._reference._common import Counters, check_types
 
-_counters = Counters(("penalty_tensors", "penalty_tokens"))
+_counters = Counters(("tensors", "tokens"))
 stats, reset_stats = _counters.stats, _counters.reset_stats
 _stats = _counters.values
 
@@ -59,6 +61,6 @@ def output_tokens_tensor(output_token_ids: list[list[int]], vocab_size: int,
             + [pad] * (max_len - len(row_ids))
             for index, row_ids in enumerate(output_token_ids)]
     tensor = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), max_len)
-    _stats["penalty_tensors"] += 1
-    _stats["penalty_tokens"] += sum(map(len, output_token_ids))
+    _stats["tensors"] += 1
+    _stats["tokens"] += sum(map(len, output_token_ids))
     return tensor.pin_memory() if pin_memory else tensor

@@ -6,13 +6,15 @@ Same signature, rules, errors and counters as
 
 from __future__ import annotations
 
+__all__ = ["prepare_input_ids_indices"]
+
 import operator
 from typing import Any
 
 from fastbatch._reference._common import Counters, check_types, int_column
 
-_counters = Counters(("input_ids_calls", "input_ids_common_requests",
-                      "input_ids_spec_tokens"))
+_counters = Counters(("calls", "common_requests",
+                      "spec_tokens"))
 stats, reset_stats = _counters.stats, _counters.reset_stats
 _stats = _counters.values
 
@@ -95,7 +97,7 @@ def prepare_input_ids_indices(
                          dtype=numpy.int64).reshape(2, len(prev_indices))
     spec = numpy.array([spec_flattened_indices, prev_draft_token_indices],
                        dtype=numpy.int64).reshape(2, len(spec_flattened_indices))
-    _stats["input_ids_calls"] += 1
-    _stats["input_ids_common_requests"] += len(prev_indices)
-    _stats["input_ids_spec_tokens"] += len(spec_flattened_indices)
+    _stats["calls"] += 1
+    _stats["common_requests"] += len(prev_indices)
+    _stats["spec_tokens"] += len(spec_flattened_indices)
     return common, spec, bool(common_indices_match), max_flattened_index

@@ -6,12 +6,14 @@ Same signature, rules, errors and counters as
 
 from __future__ import annotations
 
+__all__ = ["compute_prev_positions"]
+
 import operator
 from typing import Any
 
 from fastbatch._reference._common import Counters, check_types, int_column
 
-_counters = Counters(("prev_positions_calls", "prev_positions_found"))
+_counters = Counters(("calls", "found"))
 stats, reset_stats = _counters.stats, _counters.reset_stats
 _stats = _counters.values
 
@@ -43,7 +45,7 @@ def compute_prev_positions(req_ids: list[str | None], prev_req_id_to_index: dict
     count = min(num_reqs, len(req_ids))
     if count > len(column):
         raise IndexError(f"prev_positions has {len(column)} slots for {count} requests")
-    _stats["prev_positions_calls"] += 1
+    _stats["calls"] += 1
     missing = object()
     values, found = [], 0
     for req_id in req_ids[:count]:
@@ -55,5 +57,5 @@ def compute_prev_positions(req_ids: list[str | None], prev_req_id_to_index: dict
             found += 1
     for index, value in enumerate(values):  # every request is valid: now write
         column[index] = value
-    _stats["prev_positions_found"] += found
+    _stats["found"] += found
     return found

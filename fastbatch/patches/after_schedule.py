@@ -67,7 +67,6 @@ ASYNC_COMPANION_FINGERPRINTS = {
     f"{MODULE}:Scheduler._update_after_schedule": VERIFIED_FINGERPRINTS,
     **REQUEST_FINGERPRINTS,
 }
-VERIFIED_VERSIONS = ("0.31.0", "0.32.0", "0.33.0")
 
 # Bound on first use (this module imports no vLLM until then): vLLM's Request
 # class and vLLM's own two methods.
@@ -102,7 +101,6 @@ def _update_after_schedule(self: Any, scheduler_output: Any) -> None:
     self.reset_preempted_req_ids = set()
 
 
-_update_after_schedule.__fastbatch__ = True  # type: ignore[attr-defined]
 
 
 def _update_after_schedule_async(self: Any, scheduler_output: Any) -> None:
@@ -122,7 +120,6 @@ def _update_after_schedule_async(self: Any, scheduler_output: Any) -> None:
     self._spec_token_placeholders = spec_token_placeholders
 
 
-_update_after_schedule_async.__fastbatch__ = True  # type: ignore[attr-defined]
 
 
 # The activation check -------------------------------------------------------
@@ -234,41 +231,19 @@ PATCH = Patch(
     module=MODULE,
     qualname="Scheduler._update_after_schedule",
     replacement=_update_after_schedule,
-    versions=VERIFIED_VERSIONS,
     fingerprints=VERIFIED_FINGERPRINTS,
     activation_check=activation_check,
-    # The scheduler is the same code whichever model runner the workers use.
-    acts_under_v2=True,
     companions=COMPANION_FINGERPRINTS,
 )
 ASYNC_PATCH = Patch(
     module=ASYNC_MODULE,
     qualname="AsyncScheduler._update_after_schedule",
     replacement=_update_after_schedule_async,
-    versions=VERIFIED_VERSIONS,
     fingerprints=ASYNC_FINGERPRINTS,
     activation_check=async_activation_check,
-    acts_under_v2=True,
     companions=ASYNC_COMPANION_FINGERPRINTS,
 )
-TARGET = PATCH.target
-original, check_target = PATCH.original, PATCH.check_target
 
-
-def apply(force: bool = False, verify: float = 0.0, name: str | None = None) -> bool:
-    """Install both replacements.  The async one first: its guard fingerprints
-    the base method, which must still be vLLM's then.  Returns whether the
-    base one is installed."""
-    ASYNC_PATCH.apply(force, verify, name)
-    return PATCH.apply(force, verify, name)
-
-
-def revert() -> None:
-    """vLLM's own methods back on both classes."""
-    PATCH.revert()
-    ASYNC_PATCH.revert()
-
-
-def is_applied() -> bool:
-    """True while either replacement is installed."""
-    return PATCH.is_applied() or ASYNC_PATCH.is_applied()
+# The async one first: its guard fingerprints the base method, which must
+# still be vLLM's then.
+PATCHES = (ASYNC_PATCH, PATCH)

@@ -45,10 +45,6 @@ VERIFIED_FINGERPRINTS = {
     "750912c3409c1ae39bfb6e08f3193b19c693959dbe06dc10f4fa0216dc8e7d4e":
         "vLLM 0.22.0-0.33.0 reverse scan",
 }
-VERIFIED_VERSIONS = (
-    "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0",
-    "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
-)
 
 
 def update_async_output_token_ids(self: Any) -> None:
@@ -64,7 +60,6 @@ def update_async_output_token_ids(self: Any) -> None:
         self.sampled_token_ids_cpu, self.async_copy_ready_event)
 
 
-update_async_output_token_ids.__fastbatch__ = True  # type: ignore[attr-defined]
 
 
 def _synthetic_batches(torch: Any) -> list[SimpleNamespace]:
@@ -187,12 +182,8 @@ PATCH = Patch(
     module="vllm.v1.worker.gpu_input_batch",
     qualname="InputBatch.update_async_output_token_ids",
     replacement=update_async_output_token_ids,
-    versions=VERIFIED_VERSIONS,
     fingerprints=VERIFIED_FINGERPRINTS,
     activation_check=activation_check,
     shadow=SHADOW,
     needs_async_scheduling=True,
 )
-TARGET = PATCH.target
-apply, revert, original, is_applied, check_target = (
-    PATCH.apply, PATCH.revert, PATCH.original, PATCH.is_applied, PATCH.check_target)

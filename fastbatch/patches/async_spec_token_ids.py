@@ -39,10 +39,6 @@ VERIFIED_FINGERPRINTS = {
     "a06449b72018712e2310918469fdcbd9b61b8d0ba3a9db6cc9b8a7bf84313bf4":
         "vLLM 0.21.0-0.33.0",
 }
-VERIFIED_VERSIONS = (
-    "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0",
-    "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
-)
 
 
 def update_async_spec_token_ids(self: Any, draft_token_ids: list[list[int]]) -> None:
@@ -57,7 +53,6 @@ def update_async_spec_token_ids(self: Any, draft_token_ids: list[list[int]]) -> 
             self.req_ids, self.prev_req_id_to_index, spec_token_ids, draft_token_ids)
 
 
-update_async_spec_token_ids.__fastbatch__ = True  # type: ignore[attr-defined]
 
 
 def _synthetic_batches() -> list[tuple[SimpleNamespace, list[list[int]]]]:
@@ -145,12 +140,8 @@ PATCH = Patch(
     module="vllm.v1.worker.gpu_input_batch",
     qualname="InputBatch.update_async_spec_token_ids",
     replacement=update_async_spec_token_ids,
-    versions=VERIFIED_VERSIONS,
     fingerprints=VERIFIED_FINGERPRINTS,
     activation_check=activation_check,
     shadow=SHADOW,
     needs_async_scheduling=True,
 )
-TARGET = PATCH.target
-apply, revert, original, is_applied, check_target = (
-    PATCH.apply, PATCH.revert, PATCH.original, PATCH.is_applied, PATCH.check_target)

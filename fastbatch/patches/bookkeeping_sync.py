@@ -56,7 +56,6 @@ VERIFIED_FINGERPRINTS = {
     "e1369eeed7e9567dfcdb18b2dc48400554a0967e9286d10cc7d7c27723c70a1d":
         "vLLM 0.31.0-0.33.0",
 }
-VERIFIED_VERSIONS = ("0.31.0", "0.32.0", "0.33.0")
 
 # What the compiled call refuses without changing anything; vLLM's loop then
 # runs and raises (or not) exactly as stock does.
@@ -212,7 +211,6 @@ def _bookkeeping_sync(
     )
 
 
-_bookkeeping_sync.__fastbatch__ = True  # type: ignore[attr-defined]
 
 
 def _synthetic_step(use_async: bool,
@@ -280,10 +278,6 @@ PATCH = Patch(
     module="vllm.v1.worker.gpu_model_runner",
     qualname="GPUModelRunner._bookkeeping_sync",
     replacement=_bookkeeping_sync,
-    versions=VERIFIED_VERSIONS,
     fingerprints=VERIFIED_FINGERPRINTS,
     activation_check=activation_check,
 )
-TARGET = PATCH.target
-apply, revert, original, is_applied, check_target = (
-    PATCH.apply, PATCH.revert, PATCH.original, PATCH.is_applied, PATCH.check_target)

@@ -54,7 +54,6 @@ COMPANION_FINGERPRINTS = {
     "vllm.v1.request:Request.num_output_tokens.fget": {
         "6cf9ce95b8215fda4e8026120186cbe096dc989dc56f01fc2e61cfabafe20d0f": "vLLM 0.31.0-0.33.0"},
 }
-VERIFIED_VERSIONS = ("0.31.0", "0.32.0", "0.33.0")
 CACHED_REQUEST_FIELDS = ("req_ids", "resumed_req_ids", "new_token_ids", "all_token_ids",
                          "new_block_ids", "num_computed_tokens", "num_output_tokens")
 
@@ -104,7 +103,6 @@ def _make_cached_request_data(self: Any, running_reqs: list[Any], resumed_reqs: 
     )
 
 
-_make_cached_request_data.__fastbatch__ = True  # type: ignore[attr-defined]
 
 
 def cached_request_state(data: Any) -> Any:
@@ -176,13 +174,7 @@ PATCH = Patch(
     module=MODULE,
     qualname="Scheduler._make_cached_request_data",
     replacement=_make_cached_request_data,
-    versions=VERIFIED_VERSIONS,
     fingerprints=VERIFIED_FINGERPRINTS,
     activation_check=activation_check,
-    # The scheduler is the same code whichever model runner the workers use.
-    acts_under_v2=True,
     companions=COMPANION_FINGERPRINTS,
 )
-TARGET = PATCH.target
-apply, revert, original, is_applied, check_target = (
-    PATCH.apply, PATCH.revert, PATCH.original, PATCH.is_applied, PATCH.check_target)

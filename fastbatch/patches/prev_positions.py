@@ -33,10 +33,6 @@ VERIFIED_FINGERPRINTS = {
     "893294565635b3d165e588f7fc95aeb9a9748c0a4620b0f7882778dc6f86948f":
         "vLLM 0.21.0-0.33.0",
 }
-VERIFIED_VERSIONS = (
-    "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0",
-    "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
-)
 
 
 def _compute_prev_positions(self: Any, num_reqs: int) -> None:
@@ -50,7 +46,6 @@ def _compute_prev_positions(self: Any, num_reqs: int) -> None:
                                      prev_positions, num_reqs)
 
 
-_compute_prev_positions.__fastbatch__ = True  # type: ignore[attr-defined]
 
 
 def _synthetic_runners() -> list[tuple[SimpleNamespace, int]]:
@@ -85,10 +80,6 @@ PATCH = Patch(
     module="vllm.v1.worker.gpu_model_runner",
     qualname="GPUModelRunner._compute_prev_positions",
     replacement=_compute_prev_positions,
-    versions=VERIFIED_VERSIONS,
     fingerprints=VERIFIED_FINGERPRINTS,
     activation_check=activation_check,
 )
-TARGET = PATCH.target
-apply, revert, original, is_applied, check_target = (
-    PATCH.apply, PATCH.revert, PATCH.original, PATCH.is_applied, PATCH.check_target)

@@ -1,4 +1,4 @@
-"""Pure-Python twin of the compiled piece ``scheduler`` (``fastbatch._kernels.decode_slots``).
+"""Pure-Python twin of the compiled piece ``scheduler`` (``fastbatch._kernels.allocate_slots``).
 
 ``allocate_slots`` is vLLM's ``KVCacheManager.allocate_slots`` (same
 signature and defaults) answering its no-op case itself: it returns
@@ -43,11 +43,13 @@ anything else is not a no-op and vLLM's code decides.
 
 from __future__ import annotations
 
+__all__ = ["allocate_slots_is_noop"]
+
 from typing import Any
 
 from fastbatch._reference._common import Counters
 
-_COUNTERS = Counters(("scheduler_noop_allocations", "scheduler_stock_allocations"))
+_COUNTERS = Counters(("noop_allocations", "stock_allocations"))
 stats, reset_stats = _COUNTERS.stats, _COUNTERS.reset_stats
 
 # The compiled piece reads counts as one-digit ints (CPython's compact ints).
@@ -180,7 +182,7 @@ def allocate_slots(self: Any, request: Any, num_new_tokens: int,
     """
     if _BOUND is None:
         raise RuntimeError("fastbatch's allocate_slots is not bound to vLLM's method "
-                           "(fastbatch.patches.decode_slots.bind() does it)")
+                           "(fastbatch.patches.allocate_slots.bind() does it)")
     stock, kinds = _BOUND
     if (new_computed_blocks is None and _is_int_zero(num_new_computed_tokens)
             and _is_int_zero(num_lookahead_tokens)
@@ -188,9 +190,9 @@ def allocate_slots(self: Any, request: Any, num_new_tokens: int,
             and _is_int_zero(num_encoder_tokens) and delay_cache_blocks is False
             and full_sequence_must_fit is False
             and _is_noop(self, request, num_new_tokens, reserved_blocks, kinds)):
-        _COUNTERS.values["scheduler_noop_allocations"] += 1
+        _COUNTERS.values["noop_allocations"] += 1
         return self.empty_kv_cache_blocks
-    _COUNTERS.values["scheduler_stock_allocations"] += 1
+    _COUNTERS.values["stock_allocations"] += 1
     return stock(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                  num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
                  num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
@@ -209,6 +211,6 @@ def allocate_slots_is_noop(manager: Any, request: Any, num_new_tokens: Any,
     ``allocate_slots`` counts its calls.
     """
     noop = _is_noop(manager, request, num_new_tokens, reserved_blocks, _unpack_kinds(kinds))
-    _COUNTERS.values["scheduler_noop_allocations" if noop
-                     else "scheduler_stock_allocations"] += 1
+    _COUNTERS.values["noop_allocations" if noop
+                     else "stock_allocations"] += 1
     return noop

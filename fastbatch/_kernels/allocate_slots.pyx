@@ -7,13 +7,15 @@ default), with vLLM's signature and defaults.  One compiled call checks the
 defaults, decides whether vLLM's method would return ``empty_kv_cache_blocks``
 and change nothing, and then returns that object, or calls vLLM's method
 (``bind``) with every argument as it came.  The decision is the one of
-``fastbatch._reference.decode_slots`` (see its module note for why each
+``fastbatch._reference.allocate_slots`` (see its module note for why each
 condition), read with C-level type checks, dict lookups and reads of the
 fields that the pinned vLLM methods and properties would return (no Python
 call on the common path).  It reads and never writes.
 
 ``allocate_slots_is_noop`` is the decision alone, with the kinds passed in.
 """
+
+__all__ = ["allocate_slots_is_noop"]
 
 from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
@@ -26,8 +28,8 @@ cdef uint64_t _stock_allocations = 0
 
 def stats():
     """This piece's counters since import or the last ``reset_stats()``."""
-    return {"scheduler_noop_allocations": _noop_allocations,
-            "scheduler_stock_allocations": _stock_allocations}
+    return {"noop_allocations": _noop_allocations,
+            "stock_allocations": _stock_allocations}
 
 
 def reset_stats():
@@ -195,7 +197,7 @@ def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
     global _noop_allocations, _stock_allocations
     if _stock is None:
         raise RuntimeError("fastbatch's allocate_slots is not bound to vLLM's method "
-                           "(fastbatch.patches.decode_slots.bind() does it)")
+                           "(fastbatch.patches.allocate_slots.bind() does it)")
     if (new_computed_blocks is None and _is_int_zero(num_new_computed_tokens)
             and _is_int_zero(num_lookahead_tokens)
             and _is_int_zero(num_external_computed_tokens)
@@ -214,7 +216,7 @@ def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
 def allocate_slots_is_noop(manager, request, num_new_tokens, reserved_blocks, kinds):
     """True if vLLM's ``manager.allocate_slots(request, num_new_tokens,
     reserved_blocks=reserved_blocks)`` would return ``empty_kv_cache_blocks``
-    and change no state (see ``fastbatch._reference.decode_slots``).
+    and change no state (see ``fastbatch._reference.allocate_slots``).
 
     ``kinds`` is ``(KVCacheManager, (coordinator types...),
     FullAttentionManager, BlockPool, Request, FullAttentionSpec,

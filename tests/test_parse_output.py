@@ -128,7 +128,7 @@ def installed():
     """The patch installed; yields vLLM's own static method."""
     from vllm.v1.sample.rejection_sampler import RejectionSampler
 
-    from fastbatch.patches import rejection_lists as patch
+    from fastbatch.patches import parse_output as patch
 
     stock = RejectionSampler.parse_output
     assert patch.apply()
@@ -206,7 +206,7 @@ def test_guard_and_activation_check(monkeypatch):
     from vllm.v1.sample.rejection_sampler import RejectionSampler
 
     import fastbatch
-    from fastbatch.patches import rejection_lists as patch
+    from fastbatch.patches import parse_output as patch
 
     stock = patch.original() or RejectionSampler.parse_output  # (installed by a fixture?)
     assert patch.check_target(vllm.__version__, stock) is None

@@ -8,7 +8,7 @@ discarded requests' rows one by one.  The replacement is vLLM's method
 ``fastbatch.sampled_token_lists``, which builds the same plain lists of plain
 ints (the shared token-id objects) straight from the tensor's memory.  With
 spec tokens (more than one id per row) it calls ``RejectionSampler.parse_output``
-as vLLM does (see ``fastbatch.patches.rejection_lists``).  Where the call
+as vLLM does (see ``fastbatch.patches.parse_output``).  Where the call
 refuses its input, vLLM's own two lines run instead.
 
 Why: ``tolist()`` makes a fresh int object per id and the clear loop is
@@ -38,7 +38,6 @@ VERIFIED_FINGERPRINTS = {
     "c74abd9cc9cf4b1c8ed3f85d61a2ebf8e153f4b6467074904643d1a00d36cfeb":
         "vLLM 0.31.0-0.33.0",
 }
-VERIFIED_VERSIONS = ("0.31.0", "0.32.0", "0.33.0")
 # What the method uses from its module besides the tensors; the activation
 # check makes sure they are all there.
 RUNNER_NAMES = ("RejectionSampler", "envs", "get_ep_all2all_manager", "nans_to_dict",
@@ -97,7 +96,6 @@ def get_output(self: Any) -> Any:
     return output
 
 
-get_output.__fastbatch__ = True  # type: ignore[attr-defined]
 
 
 def synthetic_output(sampled_token_ids: Any, invalid_req_indices: list[int],
@@ -150,12 +148,8 @@ PATCH = Patch(
     module=RUNNER_MODULE,
     qualname="AsyncGPUModelRunnerOutput.get_output",
     replacement=get_output,
-    versions=VERIFIED_VERSIONS,
     fingerprints=VERIFIED_FINGERPRINTS,
     activation_check=activation_check,
     # The runner makes an AsyncGPUModelRunnerOutput only under async scheduling.
     needs_async_scheduling=True,
 )
-TARGET = PATCH.target
-apply, revert, original, is_applied, check_target = (
-    PATCH.apply, PATCH.revert, PATCH.original, PATCH.is_applied, PATCH.check_target)

@@ -35,10 +35,6 @@ VERIFIED_FINGERPRINTS = {
     "11df69ad2ab931ef90dcd16217b683f0468e28fe2e1bcf2ce3d0b22ee42703a9":
         "vLLM 0.21.0-0.33.0",
 }
-VERIFIED_VERSIONS = (
-    "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0",
-    "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
-)
 
 
 def parse_output(output_token_ids: Any, vocab_size: int, discard_req_indices: Any = (),
@@ -55,7 +51,6 @@ def parse_output(output_token_ids: Any, vocab_size: int, discard_req_indices: An
                             logprobs_tensors=logprobs_tensors)
 
 
-parse_output.__fastbatch__ = True  # type: ignore[attr-defined]
 
 
 def activation_check(method: Any, replacement: Any) -> str | None:
@@ -90,10 +85,6 @@ PATCH = Patch(
     module="vllm.v1.sample.rejection_sampler",
     qualname="RejectionSampler.parse_output",
     replacement=staticmethod(parse_output),
-    versions=VERIFIED_VERSIONS,
     fingerprints=VERIFIED_FINGERPRINTS,
     activation_check=activation_check,
 )
-TARGET = PATCH.target
-apply, revert, original, is_applied, check_target = (
-    PATCH.apply, PATCH.revert, PATCH.original, PATCH.is_applied, PATCH.check_target)

@@ -2,7 +2,7 @@
 """Compiled piece ``scheduler_outputs``: the plain decodes of vLLM's
 ``Scheduler.update_from_output``, taken in one call.
 
-The same decisions and effects as ``fastbatch._reference.decode_outputs``
+The same decisions and effects as ``fastbatch._reference.update_from_output``
 (see its module note for why each condition): a first pass only reads and
 classifies every scheduled request; a second pass applies, to the requests
 taken, exactly what vLLM's loop would (in-flight count, the token appended
@@ -10,6 +10,8 @@ to both token lists, the placeholder resolved) and builds their
 ``EngineCoreOutput``.  Nothing is changed unless the whole step has been
 read and found consistent.
 """
+
+__all__ = ["merge_decode_outputs", "take_decode_outputs"]
 
 from cpython.list cimport PyList_Append, PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
@@ -23,7 +25,7 @@ cdef extern from "Python.h":
 cdef uint64_t _taken = 0
 cdef uint64_t _left = 0
 
-# Variants of the per-request effects (``fastbatch.patches.decode_outputs``
+# Variants of the per-request effects (``fastbatch.patches.update_from_output``
 # picks one from the fingerprints of the vLLM in use).
 cdef enum:
     # vLLM 0.33: the base ``_update_request_with_output`` resolves a placeholder;
@@ -39,7 +41,7 @@ cdef enum:
 
 def stats():
     """This piece's counters since import or the last ``reset_stats()``."""
-    return {"scheduler_fast_outputs": _taken, "scheduler_stock_outputs": _left}
+    return {"fast_outputs": _taken, "stock_outputs": _left}
 
 
 def reset_stats():

@@ -8,6 +8,8 @@ memory, without the sliced view, the ids as the shared token-id objects.
 ``fastbatch._reference`` holds the same behaviour in plain Python.
 """
 
+__all__ = ["draft_token_lists"]
+
 from cpython.buffer cimport PyBuffer_Release
 from libc.stdint cimport uint64_t
 
@@ -20,7 +22,7 @@ cdef uint64_t _rows = 0
 
 def stats():
     """This piece's counters since import or the last ``reset_stats()``."""
-    return {"draft_lists_calls": _calls, "draft_lists_rows": _rows}
+    return {"calls": _calls, "rows": _rows}
 
 
 def reset_stats():

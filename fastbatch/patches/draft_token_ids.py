@@ -37,10 +37,6 @@ VERIFIED_FINGERPRINTS = {
     "6edab22cb7838f88ab9d0c6b6b464dd987d20db3adf3f4c37392a498b47aad40":
         "vLLM 0.24.0-0.33.0",
 }
-VERIFIED_VERSIONS = (
-    "0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0",
-    "0.30.0", "0.31.0", "0.32.0", "0.33.0",
-)
 
 
 def _get_draft_token_ids_cpu(self: Any) -> tuple[list[list[int]], list[str]]:
@@ -63,7 +59,6 @@ def _get_draft_token_ids_cpu(self: Any) -> tuple[list[list[int]], list[str]]:
         return self.draft_token_ids_cpu[: len(req_ids), :num_spec_tokens].tolist(), req_ids
 
 
-_get_draft_token_ids_cpu.__fastbatch__ = True  # type: ignore[attr-defined]
 
 
 def synthetic_runner(draft_token_ids: Any, draft_token_ids_cpu: Any,
@@ -104,10 +99,6 @@ PATCH = Patch(
     module="vllm.v1.worker.gpu_model_runner",
     qualname="GPUModelRunner._get_draft_token_ids_cpu",
     replacement=_get_draft_token_ids_cpu,
-    versions=VERIFIED_VERSIONS,
     fingerprints=VERIFIED_FINGERPRINTS,
     activation_check=activation_check,
 )
-TARGET = PATCH.target
-apply, revert, original, is_applied, check_target = (
-    PATCH.apply, PATCH.revert, PATCH.original, PATCH.is_applied, PATCH.check_target)

@@ -9,6 +9,8 @@ the discarded rows straight away as empty lists.  ``fastbatch._reference``
 holds the same behaviour in plain Python.
 """
 
+__all__ = ["sampled_token_lists"]
+
 from cpython.buffer cimport PyBuffer_Release
 from cpython.mem cimport PyMem_Calloc, PyMem_Free
 from cpython.object cimport PyObject
@@ -31,7 +33,7 @@ cdef uint64_t _rows = 0
 
 def stats():
     """This piece's counters since import or the last ``reset_stats()``."""
-    return {"get_output_calls": _calls, "get_output_rows": _rows}
+    return {"calls": _calls, "rows": _rows}
 
 
 def reset_stats():

@@ -36,8 +36,8 @@ from vllm.v1.request import RequestStatus
 
 import fastbatch
 from fastbatch import _kernels, _reference, vllm_plugin
-from fastbatch.patches import after_schedule, cached_requests, decode_slots
-from fastbatch.patches import decode_outputs as patch
+from fastbatch.patches import after_schedule, cached_requests, allocate_slots
+from fastbatch.patches import update_from_output as patch
 from leaks import assert_no_leak
 
 pytestmark = pytest.mark.vllm
@@ -58,9 +58,9 @@ def make_fast_with_every_scheduler_piece(workload: lockstep.Workload):
     """As ``FASTBATCH=1`` leaves a scheduler: this piece with ``scheduler``
     (``allocate_slots``), ``after_schedule`` and ``cached_requests``."""
     scheduler = make_fast(workload)
-    decode_slots.bind()
+    allocate_slots.bind()
     manager = scheduler.kv_cache_manager
-    manager.allocate_slots = MethodType(decode_slots.allocate_slots, manager)
+    manager.allocate_slots = MethodType(allocate_slots.allocate_slots, manager)
     after = (after_schedule._update_after_schedule_async if workload.async_scheduling
              else after_schedule._update_after_schedule)
     scheduler._update_after_schedule = MethodType(after, scheduler)

@@ -74,9 +74,9 @@ def test_counters():
     _reference.reset_stats()
     _kernels.sampled_token_lists(torch.zeros((4, 1), dtype=torch.int32), [0])
     _reference.sampled_token_lists(torch.zeros((4, 1), dtype=torch.int32), [0])
-    assert _kernels.stats()["get_output_calls"] == 1
-    assert _kernels.stats()["get_output_rows"] == 4
-    assert _reference.stats()["get_output_rows"] == 4
+    assert _kernels.stats()["get_output"]["calls"] == 1
+    assert _kernels.stats()["get_output"]["rows"] == 4
+    assert _reference.stats()["get_output"]["rows"] == 4
 
 
 @pytest.mark.parametrize(("sampled", "invalid", "error"), [
@@ -158,7 +158,7 @@ def assert_same_logprobs(got, expected):
 @pytest.mark.vllm
 @given(decode_steps(widths=st.sampled_from([1, 1, 1, 2, 4])), st.booleans(), st.booleans())
 def test_patched_get_output_is_vllms(vllm_runner, step, logprobs, nans):
-    from fastbatch.patches import sampled_lists as patch
+    from fastbatch.patches import get_output as patch
 
     sampled, invalid = step
     if sampled.shape[1] > 1:  # spec rows go to parse_output: no logprobs there
@@ -179,7 +179,7 @@ def test_patched_get_output_is_vllms(vllm_runner, step, logprobs, nans):
 def test_patched_get_output_falls_back_to_vllms_lines(vllm_runner):
     """Input the compiled call refuses (int16 ids, a bool index) runs vLLM's
     own lines: the same lists, or the same error."""
-    from fastbatch.patches import sampled_lists as patch
+    from fastbatch.patches import get_output as patch
 
     for sampled, invalid in [(torch.tensor([[3], [4]], dtype=torch.int16), [0]),
                              (torch.tensor([[3], [4]], dtype=torch.int32), [True])]:
@@ -195,7 +195,7 @@ def test_patched_get_output_falls_back_to_vllms_lines(vllm_runner):
 def test_guard_and_activation_check(vllm_runner, monkeypatch):
     import vllm
 
-    from fastbatch.patches import sampled_lists as patch
+    from fastbatch.patches import get_output as patch
 
     stock = vllm_runner.AsyncGPUModelRunnerOutput.get_output
     assert patch.check_target(vllm.__version__, stock) is None

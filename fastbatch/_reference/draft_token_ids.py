@@ -1,17 +1,19 @@
 """Pure-Python twin of the compiled piece ``drafts``: the test oracle.
 
 Same signature, rules, errors and counters as
-``fastbatch._kernels.draft_lists``; written for reading, not for speed.
+``fastbatch._kernels.draft_token_ids``; written for reading, not for speed.
 """
 
 from __future__ import annotations
+
+__all__ = ["draft_token_lists"]
 
 import operator
 from typing import Any
 
 from fastbatch._reference._common import Counters, checked_ids
 
-_counters = Counters(("draft_lists_calls", "draft_lists_rows"))
+_counters = Counters(("calls", "rows"))
 stats, reset_stats = _counters.stats, _counters.reset_stats
 _stats = _counters.values
 
@@ -26,6 +28,6 @@ def draft_token_lists(draft_token_ids: Any, num_reqs: int,
                          f"{num_reqs} and {num_spec_tokens}")
     _, _, read_rows = checked_ids(draft_token_ids, "draft_token_ids")
     rows = [row[:num_spec_tokens] for row in read_rows()[:num_reqs]]
-    _stats["draft_lists_calls"] += 1
-    _stats["draft_lists_rows"] += len(rows)
+    _stats["calls"] += 1
+    _stats["rows"] += len(rows)
     return rows

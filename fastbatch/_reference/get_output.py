@@ -1,17 +1,19 @@
 """Pure-Python twin of the compiled piece ``get_output``: the test oracle.
 
 Same signature, rules, errors and counters as
-``fastbatch._kernels.sampled_lists``; written for reading, not for speed.
+``fastbatch._kernels.get_output``; written for reading, not for speed.
 """
 
 from __future__ import annotations
+
+__all__ = ["sampled_token_lists"]
 
 from collections.abc import Iterable
 from typing import Any, SupportsIndex
 
 from fastbatch._reference._common import Counters, checked_ids, flagged_rows
 
-_counters = Counters(("get_output_calls", "get_output_rows"))
+_counters = Counters(("calls", "rows"))
 stats, reset_stats = _counters.stats, _counters.reset_stats
 _stats = _counters.values
 
@@ -27,6 +29,6 @@ def sampled_token_lists(sampled_token_ids: Any,
     rows = read_rows()
     for row in cleared:
         rows[row].clear()
-    _stats["get_output_calls"] += 1
-    _stats["get_output_rows"] += num_rows
+    _stats["calls"] += 1
+    _stats["rows"] += num_rows
     return rows

@@ -3,7 +3,7 @@
 What is replaced: the KV-cache manager's slot allocation, which the scheduler
 calls once per running request per step (``Scheduler.schedule``), and once
 per newly admitted request.  The replacement is one compiled function
-(``fastbatch._kernels.decode_slots.allocate_slots``, bound on the class as
+(``fastbatch._kernels.allocate_slots.allocate_slots``, bound on the class as
 the method itself, vLLM's signature and defaults): it answers at once, with
 vLLM's own ``empty_kv_cache_blocks``, when it finds that vLLM's method would
 return exactly that and change nothing (the decision of
@@ -100,7 +100,6 @@ COMPANION_FINGERPRINTS = {
     "vllm.v1.kv_cache_interface:FullAttentionSpec.prefix_cacheable.fget": {
         "c00daac6f107eb5f6024f5d915afe985a58e00aad3b1ee6ba3e6bed17f8a55fb": "vLLM 0.32.0-0.33.0"},
 }
-VERIFIED_VERSIONS = ("0.32.0", "0.33.0")
 
 # The methods the fast answer stands in for, which the coordinator and the
 # full-attention manager classes must inherit, not override.
@@ -113,15 +112,14 @@ _SINGLE_TYPE_METHODS = ("get_num_blocks_to_allocate", "allocate_new_blocks",
 # The piece in use: the compiled one, or its twin where it cannot be imported
 # (then the plugin leaves vLLM stock anyway).
 if fastbatch.COMPILED:
-    from fastbatch._kernels import decode_slots as _piece
+    from fastbatch._kernels import allocate_slots as _piece
 else:
-    from fastbatch._reference import decode_slots as _piece
+    from fastbatch._reference import allocate_slots as _piece
 
 # fastbatch's drop-in for ``KVCacheManager.allocate_slots``: the compiled
 # function itself, bound on vLLM's class (one compiled call per call), with
 # vLLM's signature and defaults.  ``bind()`` gives it vLLM's method and classes.
 allocate_slots = _piece.allocate_slots
-allocate_slots.__fastbatch__ = True
 
 
 def kinds() -> tuple[Any, ...]:
@@ -246,13 +244,7 @@ PATCH = Patch(
     module=MODULE,
     qualname="KVCacheManager.allocate_slots",
     replacement=allocate_slots,
-    versions=VERIFIED_VERSIONS,
     fingerprints=VERIFIED_FINGERPRINTS,
     activation_check=activation_check,
-    # The scheduler is the same code whichever model runner the workers use.
-    acts_under_v2=True,
     companions=COMPANION_FINGERPRINTS,
 )
-TARGET = PATCH.target
-apply, revert, original, is_applied, check_target = (
-    PATCH.apply, PATCH.revert, PATCH.original, PATCH.is_applied, PATCH.check_target)

@@ -1,18 +1,20 @@
 """Pure-Python twin of the compiled piece ``parse_output``: the test oracle.
 
 Same signature, rules, errors and counters as
-``fastbatch._kernels.rejection_lists``; written for reading, not for
+``fastbatch._kernels.parse_output``; written for reading, not for
 speed.
 """
 
 from __future__ import annotations
+
+__all__ = ["rejection_output_lists"]
 
 import operator
 from typing import Any, SupportsIndex
 
 from fastbatch._reference._common import Counters, checked_ids, flagged_rows
 
-_counters = Counters(("parse_output_calls", "parse_output_rows", "parse_output_tokens"))
+_counters = Counters(("calls", "rows", "tokens"))
 stats, reset_stats = _counters.stats, _counters.reset_stats
 _stats = _counters.values
 
@@ -34,7 +36,7 @@ def rejection_output_lists(output_token_ids: Any, vocab_size: SupportsIndex,
     rows = [[] if row in discarded else
             [token for token in ids if token != PLACEHOLDER_TOKEN_ID and token < bound]
             for row, ids in enumerate(read_rows())]
-    _stats["parse_output_calls"] += 1
-    _stats["parse_output_rows"] += num_rows
-    _stats["parse_output_tokens"] += sum(map(len, rows))
+    _stats["calls"] += 1
+    _stats["rows"] += num_rows
+    _stats["tokens"] += sum(map(len, rows))
     return rows

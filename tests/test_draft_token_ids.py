@@ -113,7 +113,7 @@ def runner_states(draw):
 def test_patched_method_is_vllms(state):
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from fastbatch.patches import draft_lists as patch
+    from fastbatch.patches import draft_token_ids as patch
 
     stock = patch.original() or GPUModelRunner._get_draft_token_ids_cpu
     expected = stock(real_runner(*state))
@@ -130,7 +130,7 @@ def test_patched_method_is_vllms(state):
 def test_patched_method_falls_back_to_vllms_expression():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from fastbatch.patches import draft_lists as patch
+    from fastbatch.patches import draft_token_ids as patch
 
     stock = patch.original() or GPUModelRunner._get_draft_token_ids_cpu
     state = (torch.zeros((2, 2)), torch.arange(8, dtype=torch.int16).view(4, 2), ["a", "b"])
@@ -143,7 +143,7 @@ def test_guard_and_activation_check(monkeypatch):
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     import fastbatch
-    from fastbatch.patches import draft_lists as patch
+    from fastbatch.patches import draft_token_ids as patch
 
     stock = patch.original() or GPUModelRunner._get_draft_token_ids_cpu
     assert patch.check_target(vllm.__version__, stock) is None

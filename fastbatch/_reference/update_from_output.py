@@ -1,4 +1,4 @@
-"""Twin of the compiled piece ``scheduler_outputs`` (``fastbatch._kernels.decode_outputs``).
+"""Twin of the compiled piece ``scheduler_outputs`` (``fastbatch._kernels.update_from_output``).
 
 ``take_decode_outputs`` takes, out of one call of vLLM's
 ``Scheduler.update_from_output``, the requests that are plain decodes and do
@@ -43,11 +43,13 @@ trace_headers, of num_nans_in_logits)``.
 
 from __future__ import annotations
 
+__all__ = ["merge_decode_outputs", "take_decode_outputs"]
+
 from typing import Any
 
 from fastbatch._reference._common import Counters
 
-_COUNTERS = Counters(("scheduler_fast_outputs", "scheduler_stock_outputs"))
+_COUNTERS = Counters(("fast_outputs", "stock_outputs"))
 stats, reset_stats = _COUNTERS.stats, _COUNTERS.reset_stats
 
 PLACEHOLDERS_IN_BASE, ASYNC_OVERRIDE, NO_PLACEHOLDERS = 0, 1, 2
@@ -272,8 +274,8 @@ def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_outp
         args[at_trace] = request.trace_headers
         args[at_nans] = request.num_nans_in_logits
         slots[index] = output_type(*args)
-    _COUNTERS.values["scheduler_fast_outputs"] += len(taken)
-    _COUNTERS.values["scheduler_stock_outputs"] += len(rest)
+    _COUNTERS.values["fast_outputs"] += len(taken)
+    _COUNTERS.values["stock_outputs"] += len(rest)
     return slots, rest
 
 

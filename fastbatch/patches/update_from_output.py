@@ -46,7 +46,7 @@ import copy
 from typing import Any
 
 import fastbatch
-from fastbatch.patches import decode_slots
+from fastbatch.patches import allocate_slots
 from fastbatch.patches._patch import Patch, instance_dict_problem
 
 MODULE = "vllm.v1.core.sched.scheduler"
@@ -109,10 +109,9 @@ COMPANION_FINGERPRINTS = {
             "vLLM 0.32.0-0.33.0"},
     # The coordinator's and the full-attention manager's caching, as pinned
     # for the allocation fast path.
-    **{name: fingerprints for name, fingerprints in decode_slots.COMPANION_FINGERPRINTS.items()
+    **{name: fingerprints for name, fingerprints in allocate_slots.COMPANION_FINGERPRINTS.items()
        if name.endswith(("cache_blocks", "get_num_cacheable_tokens", ":replay_boundaries"))},
 }
-VERIFIED_VERSIONS = ("0.32.0", "0.33.0")
 # What the compiled call reads or writes of a Request (plain instance attributes).
 REQUEST_ATTRIBUTES = (
     "status", "num_stale_output_tokens", "num_in_flight_tokens", "mm_features",
@@ -241,7 +240,6 @@ def update_from_output(self: Any, scheduler_output: Any,
     return _merged(_STOCK(self, remaining, model_runner_output), slots)
 
 
-update_from_output.__fastbatch__ = True  # type: ignore[attr-defined]
 
 
 def _stand_in_scheduler(cls: Any, enable_caching: bool, requests: list[Any]) -> Any:
@@ -257,7 +255,7 @@ def _stand_in_scheduler(cls: Any, enable_caching: bool, requests: list[Any]) -> 
     scheduler = object.__new__(cls)
     scheduler.__dict__.update(
         requests={request.request_id: request for request in requests},
-        running=list(requests), kv_cache_manager=decode_slots._small_manager(enable_caching),
+        running=list(requests), kv_cache_manager=allocate_slots._small_manager(enable_caching),
         max_model_len=64, num_spec_tokens=0, num_sampled_tokens_per_step=1,
         defer_block_free=False, perf_metrics=None, connector=None, ec_connector=None,
         aux_output_connector=None, return_sampling_mask=False, is_mm_encoder_only=False,
@@ -313,7 +311,7 @@ def _side_state(scheduler: Any, outputs: Any) -> Any:
                list(r.block_hashes))
          for rid, r in scheduler.requests.items()},
         [r.request_id for r in scheduler.running],
-        decode_slots.kv_manager_state(scheduler.kv_cache_manager),
+        allocate_slots.kv_manager_state(scheduler.kv_cache_manager),
     )
 
 
@@ -384,13 +382,7 @@ PATCH = Patch(
     module=MODULE,
     qualname="Scheduler.update_from_output",
     replacement=update_from_output,
-    versions=VERIFIED_VERSIONS,
     fingerprints=VERIFIED_FINGERPRINTS,
     activation_check=activation_check,
-    # The scheduler is the same code whichever model runner the workers use.
-    acts_under_v2=True,
     companions=COMPANION_FINGERPRINTS,
 )
-TARGET = PATCH.target
-apply, revert, original, is_applied, check_target = (
-    PATCH.apply, PATCH.revert, PATCH.original, PATCH.is_applied, PATCH.check_target)

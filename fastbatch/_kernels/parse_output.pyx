@@ -10,6 +10,8 @@ row), the ids as the shared token-id objects.  ``fastbatch._reference`` holds
 the same behaviour in plain Python.
 """
 
+__all__ = ["rejection_output_lists"]
+
 from cpython.buffer cimport PyBuffer_Release
 from cpython.mem cimport PyMem_Calloc, PyMem_Free
 from cpython.object cimport PyObject
@@ -35,8 +37,8 @@ cdef uint64_t _tokens = 0
 
 def stats():
     """This piece's counters since import or the last ``reset_stats()``."""
-    return {"parse_output_calls": _calls, "parse_output_rows": _rows,
-            "parse_output_tokens": _tokens}
+    return {"calls": _calls, "rows": _rows,
+            "tokens": _tokens}
 
 
 def reset_stats():

@@ -1,0 +1,183 @@
+"""``FASTBATCH_VERIFY``: every piece's calls, or a sampled share of them,
+checked against vLLM's own code at run time.
+
+A piece whose ``Patch`` has a ``Shadow`` (how to copy the call's inputs, run
+vLLM's code on the copy, and put vLLM's result in place) gets its installed
+replacement wrapped by ``checked_replacement``.  On a divergence the call
+returns vLLM's result, a reproducer is written (``replay`` runs it again),
+and the piece runs vLLM's code for the rest of the process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import fastbatch
+
+if TYPE_CHECKING:
+    from fastbatch.patches._patch import Patch
+
+logger = logging.getLogger("vllm.fastbatch")
+VERIFY_DIR_VAR = "FASTBATCH_VERIFY_DIR"
+
+
+def verify_dir() -> str:
+    """Where FASTBATCH_VERIFY writes reproducers: ``FASTBATCH_VERIFY_DIR``, or
+    ``fastbatch-verify`` in the temp dir."""
+    return (os.environ.get(VERIFY_DIR_VAR)
+            or os.path.join(tempfile.gettempdir(), "fastbatch-verify"))
+
+
+def _equal(ours: Any, stock: Any) -> str | None:
+    return None if ours == stock else f"fastbatch gave {ours!r}, vLLM gave {stock!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shadow:
+    """How ``FASTBATCH_VERIFY`` checks one piece's calls against vLLM's code.
+
+    ``snapshot(*args, **kwargs)``: before the call, a copy of what it reads
+    and writes (the objects vLLM's code would change are copied, read-only
+    ones may be shared), or None when this call has nothing to check (an
+    early return).
+    ``run(function, inputs)``: ``function`` (vLLM's original; fastbatch's
+    replacement on replay) run on a fresh copy of ``inputs``; returns what it
+    produced, in a comparable, picklable form (its *outcome*).
+    ``outcome(inputs, result, *args, **kwargs)``: the live call's outcome, in
+    the same form, read from the objects the call changed or returned.
+    ``restore(inputs, stock_outcome, result, *args, **kwargs)``: puts vLLM's
+    outcome in place of fastbatch's, in the very objects vLLM holds, and
+    returns what the call must return.
+    ``compare(ours, stock)``: why the outcomes differ, or None (default: ``==``).
+    ``for_reproducer(inputs)``: ``inputs`` without what cannot be pickled
+    (default: as they are); ``run`` must accept the result.
+    """
+
+    snapshot: Callable[..., Any]
+    run: Callable[[Callable[..., Any], Any], Any]
+    outcome: Callable[..., Any]
+    restore: Callable[..., Any]
+    compare: Callable[[Any, Any], str | None] = _equal
+    for_reproducer: Callable[[Any], Any] = lambda inputs: inputs
+
+
+class _Raised:
+    """An outcome that is an exception (compared by type and message)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __repr__(self) -> str:
+        return f"raised {type(self.exc).__name__}: {self.exc}"
+
+
+def checked_replacement(patch: Patch, original: Callable[..., Any],
+                        rate: float) -> Callable[..., Any]:
+    """The replacement, with ``rate`` (0 to 1) of its calls also run through
+    ``original`` on a copy of their inputs and compared (``Shadow``); after
+    a divergence every call goes to ``original``."""
+    shadow, replacement = patch.shadow, patch.replacement
+    if shadow is None:
+        raise ValueError(f"{patch.target} has no shadow check")
+    sample = random.Random().random
+    patch = patch
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        if patch.divergences:
+            return original(*args, **kwargs)
+        if rate < 1 and sample() >= rate:
+            return replacement(*args, **kwargs)
+        inputs = shadow.snapshot(*args, **kwargs)
+        if inputs is None:
+            return replacement(*args, **kwargs)
+        return _compare_call(patch, original, inputs, args, kwargs)
+
+    checked.__fastbatch__ = True  # type: ignore[attr-defined]
+    checked.__doc__ = replacement.__doc__
+    return checked
+
+def _compare_call(patch: Patch, original: Callable[..., Any], inputs: Any,
+                  args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    shadow = patch.shadow
+    assert shadow is not None
+    result = None
+    try:
+        result = patch.replacement(*args, **kwargs)
+    except Exception as exc:
+        ours: Any = _Raised(exc)
+    else:
+        ours = shadow.outcome(inputs, result, *args, **kwargs)
+    try:
+        stock: Any = shadow.run(original, inputs)
+    except Exception as exc:
+        stock = _Raised(exc)
+    patch.checked += 1
+    if isinstance(ours, _Raised) and isinstance(stock, _Raised):
+        raise ours.exc  # vLLM's code fails on this input too
+    if isinstance(ours, _Raised) or isinstance(stock, _Raised):
+        problem: str | None = f"fastbatch {ours!r}, vLLM {stock!r}"
+    else:
+        problem = shadow.compare(ours, stock)
+    if problem is None:
+        return result
+    _report_divergence(patch, problem, inputs, ours, stock)
+    if isinstance(stock, _Raised):
+        raise stock.exc  # what vLLM's own code would have done
+    return shadow.restore(inputs, stock, result, *args, **kwargs)
+
+def _report_divergence(patch: Patch, problem: str, inputs: Any, ours: Any, stock: Any) -> None:
+    """Count it, switch the piece to stock, write a reproducer, log an error."""
+    import vllm
+
+    assert patch.shadow is not None
+    patch.divergences += 1
+    record = {
+        "piece": patch.name, "target": patch.target, "why": problem,
+        "vllm_version": vllm.__version__, "fastbatch_version": fastbatch.__version__,
+        "compiled": fastbatch.COMPILED, "inputs": patch.shadow.for_reproducer(inputs),
+        "fastbatch_outcome": ours, "stock_outcome": stock,
+    }
+    folder = verify_dir()
+    path = os.path.join(folder, f"{patch.name}-{os.getpid()}-{time.time_ns()}.pkl")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(path, "wb") as out:
+            pickle.dump(record, out)
+    except Exception as exc:  # the divergence still counts; say why no file
+        where = f"no reproducer written ({type(exc).__name__}: {exc})"
+    else:
+        patch.reproducers.append(path)
+        where = f"reproducer: {path}"
+    logger.error("fastbatch: FASTBATCH_VERIFY: piece %r (%s) diverged from vLLM: %s; "
+                 "vLLM's result was kept, and %r runs vLLM's code for the rest of this "
+                 "process; %s", patch.name, patch.target, problem[:2000], patch.name, where)
+
+def replay(patch: Patch, inputs: Any, original: Callable[..., Any] | None = None) -> str | None:
+    """Run fastbatch's replacement and vLLM's code (``original``, by default
+    the one this patch stands in for) on ``inputs`` of a reproducer; why
+    their outcomes differ, or None."""
+    shadow = patch.shadow
+    if shadow is None:
+        raise ValueError(f"{patch.target} has no shadow check")
+    if original is None:
+        original = patch.original() or patch.current()
+    outcomes = []
+    for function in (patch.replacement, original):
+        try:
+            outcomes.append(shadow.run(function, inputs))
+        except Exception as exc:
+            outcomes.append(_Raised(exc))
+    ours, stock = outcomes
+    if isinstance(ours, _Raised) or isinstance(stock, _Raised):
+        same = (type(ours) is type(stock) and isinstance(ours, _Raised)
+                and type(ours.exc) is type(stock.exc))
+        return None if same else f"fastbatch {ours!r}, vLLM {stock!r}"
+    return shadow.compare(ours, stock)
