@@ -240,14 +240,11 @@ def _takes_the_worker_alone(method: Any, replacement: Any) -> str | None:
 # which the uniproc, multiprocessing and Ray executors all initialise a worker
 # (the runner is built inside it).  Not a piece: it replaces no work.
 RUNNER_REPORT = Patch(
-    module="vllm.v1.worker.worker_base",
-    qualname="WorkerWrapperBase.init_device",
-    replacement=init_device_and_report,
+    "vllm.v1.worker.worker_base:WorkerWrapperBase.init_device", init_device_and_report,
     fingerprints={
         "5e25fd87d47510926b062a634aff9acc23e61f7ab2d377784a46ed0327f9fe0b": "vLLM 0.33.0",
     },
-    activation_check=_takes_the_worker_alone,
-)
+    activation_check=_takes_the_worker_alone)
 
 
 def replay(path: str) -> str | None:

@@ -63,11 +63,12 @@ def _lookup(module: str, qualname: str) -> tuple[Any, str, Any]:
 
 
 class Patch:
-    """One replaced vLLM attribute.
+    """One replaced vLLM attribute: ``target`` (``"module:qualname"``, as
+    ``companions`` name code too) becomes ``replacement``.
 
     ``activation_check(original, replacement)`` runs both on synthetic input
     and returns why they disagree, or None.  ``companions`` maps
-    ``"module:qualname"`` of other vLLM code the replacement relies on to its
+    the ``"module:qualname"`` of other vLLM code the replacement relies on to its
     verified fingerprints.  ``shadow`` tells ``FASTBATCH_VERIFY`` how to check
     a call (a piece without one stays stock while verification is on).
     ``needs_async_scheduling``: the piece has work only under async
@@ -79,16 +80,16 @@ class Patch:
     ``name`` is the piece's (set by ``fastbatch.registry``).
     """
 
-    def __init__(self, *, module: str, qualname: str, replacement: Callable[..., Any],
+    def __init__(self, target: str, replacement: Callable[..., Any], *,
                  fingerprints: Mapping[str, str],
                  activation_check: Callable[[Any, Any], str | None],
                  companions: Mapping[str, Mapping[str, str]] | None = None,
                  shadow: Shadow | None = None, needs_async_scheduling: bool = False,
                  requires: Patch | None = None,
                  versions: tuple[str, ...] | None = None) -> None:
-        self.module, self.qualname = module, qualname
-        self.target = f"{module}.{qualname}"
-        self.name = qualname.rsplit(".", 1)[-1]
+        self.module, self.qualname = target.split(":")
+        self.target = f"{self.module}.{self.qualname}"
+        self.name = self.qualname.rsplit(".", 1)[-1]
         self.replacement = replacement
         replacement.__fastbatch__ = True  # what tests and tools look for
         self.versions = RELEASES.get(self.target, ()) if versions is None else versions
@@ -98,7 +99,7 @@ class Patch:
         self.shadow = shadow
         self.needs_async_scheduling = needs_async_scheduling
         self.requires = requires
-        self.acts_under_v2 = module.startswith("vllm.v1.core.")
+        self.acts_under_v2 = self.module.startswith("vllm.v1.core.")
         self._original: Any = None
         self._stored: Any = None  # the attribute as stored (a staticmethod, say)
         self._reset_verification()

