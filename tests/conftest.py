@@ -4,10 +4,13 @@ Profiles (``HYPOTHESIS_PROFILE``): ``ci`` (default, thousands of batches in
 total), ``quick`` for fast local runs, ``asan`` for the sanitizer build.
 """
 
+import ast
+import functools
 import importlib.util
 import logging
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -15,23 +18,70 @@ from hypothesis import HealthCheck, settings
 import fastbatch
 from fastbatch import _reference
 
-# Modules that import vLLM are not even collected where vLLM is not installed;
-# the tox environments that need them select them with -m, and pytest exits
-# non-zero there if nothing was collected.
-VLLM_MODULES = ["test_vllm_differential.py", "test_plugin.py", "test_e2e.py",
-                "test_vllm_bookkeeping_sync.py", "test_vllm_prev_positions.py",
-                "test_vllm_prepare_input_ids.py", "test_verify.py", "test_model_runner.py",
-                "test_plugin_fallback.py", "test_decode_slots.py",
-                "test_decode_outputs.py", "test_after_schedule.py", "test_cached_requests.py"]
-collect_ignore = [] if importlib.util.find_spec("vllm") else VLLM_MODULES
-# The penalties' tensor is a torch tensor, and the rows-to-lists pieces read
-# torch tensors: their tests need torch (the default tox environment installs
-# the CPU build; the other interpreters' may not).
-if not importlib.util.find_spec("torch"):
-    collect_ignore += ["test_penalty_tokens.py", "test_sampled_lists.py",
-                       "test_rejection_lists.py", "test_draft_lists.py"]
+# A test module is collected only where the packages it imports at module
+# level are installed (vLLM, torch), directly or through a module of its own
+# (tests/, benchmarks/, fastbatch/) that imports them at module level: the
+# tox environments that need those modules select them with -m, and pytest
+# exits non-zero there if nothing was collected.  Tests that need vLLM in a
+# module that other tests share import it inside the test.
+HERE = Path(__file__).resolve().parent
+LOCAL = {path.stem: path for folder in (HERE, HERE.parent / "benchmarks")
+         for path in folder.glob("*.py")}
+OPTIONAL = ("vllm", "torch")
 
-if not collect_ignore:
+
+@functools.cache
+def _module_file(name: str) -> Path | None:
+    """The file of a module of this project (fastbatch, tests, benchmarks)."""
+    if name in LOCAL:
+        return LOCAL[name]
+    if name == "fastbatch" or name.startswith("fastbatch."):
+        path = Path(fastbatch.__file__).parent.joinpath(*name.split(".")[1:])
+        for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+@functools.cache
+def _imports(path: Path) -> tuple[frozenset[str], frozenset[Path]]:
+    """The optional packages and the project's module files that ``path``
+    imports at module level."""
+    optional, local = set(), set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in OPTIONAL:
+                optional.add(name.split(".")[0])
+            elif (found := _module_file(name)) is not None:
+                local.add(found)
+    return frozenset(optional), frozenset(local)
+
+
+def missing_imports(path: Path) -> set[str]:
+    """The optional packages that are not installed and that ``path`` imports
+    at module level, itself or through the project's modules it imports."""
+    needed, seen, todo = set(), {path}, [path]
+    while todo:
+        optional, local = _imports(todo.pop())
+        needed |= optional
+        todo += local - seen
+        seen |= local
+    return {name for name in needed if not importlib.util.find_spec(name)}
+
+
+def pytest_ignore_collect(collection_path, config):
+    if collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return bool(missing_imports(collection_path)) or None
+    return None
+
+
+if importlib.util.find_spec("vllm"):
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM is imported
     # Warnings are errors in this suite, but the import-time deprecation noise
     # of torch, transformers and vLLM is not ours to fix: import them quietly.

@@ -8,28 +8,23 @@ end to end in tests/test_e2e.py.
 """
 
 import ast
-import importlib
 import logging
 import pathlib
 from types import SimpleNamespace
 
 import pytest
 
-from fastbatch import model_runner, vllm_plugin
+from fastbatch import model_runner, registry, vllm_plugin
 
-# Every piece's patch module, and the names of those with work only under
-# async scheduling.
-PATCHES = tuple(importlib.import_module(module) for module in vllm_plugin.PATCHES.values())
-# The pieces that replace the scheduler's code, which Model Runner V2 runs too.
-SCHEDULER_PIECES = [name for name, module in zip(vllm_plugin.PATCHES, PATCHES, strict=True)
-                    if module.PATCH.acts_under_v2]
-ASYNC_ONLY = [name for name, module in zip(vllm_plugin.PATCHES, PATCHES, strict=True)
-              if module.PATCH.needs_async_scheduling]
+# The pieces that replace the scheduler's code, which Model Runner V2 runs too,
+# and those with work only under async scheduling.
+SCHEDULER_PIECES = [piece.name for piece in registry.pieces() if piece.main.acts_under_v2]
+ASYNC_ONLY = [piece.name for piece in registry.pieces() if piece.main.needs_async_scheduling]
 
 
 def _act(disabled):
     """What the V1 line says of the pieces, with async scheduling off."""
-    acting = [name for name in vllm_plugin.PATCHES
+    acting = [name for name in registry.NAMES
               if name not in disabled and name not in ASYNC_ONLY]
     idle = [name for name in ASYNC_ONLY if name not in disabled]
     return (f"{', '.join(acting) or 'no piece'} can act here; {', '.join(idle)} stay idle "
@@ -145,16 +140,18 @@ def stock(monkeypatch):
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
     monkeypatch.setattr(penalties, "PIN_MEMORY", False)
-    # register() wraps init_device; monkeypatch puts vLLM's back afterwards.
-    monkeypatch.setattr(WorkerWrapperBase, "init_device", WorkerWrapperBase.init_device)
+    stock_init_device = WorkerWrapperBase.init_device
     monkeypatch.setattr(vllm_plugin, "_runner_seen", "unknown")
     monkeypatch.delenv("FASTBATCH_DISABLE", raising=False)
     monkeypatch.delenv("FASTBATCH_VERIFY", raising=False)
-    for module in PATCHES:
-        module.revert()
+    for piece in registry.pieces():
+        piece.revert()
     yield
-    for module in PATCHES:
-        module.revert()
+    for piece in registry.pieces():
+        piece.revert()
+    # register() wraps init_device (a Patch of its own); revert puts vLLM's back.
+    vllm_plugin.RUNNER_REPORT.revert()
+    assert WorkerWrapperBase.init_device is stock_init_device
 
 
 @pytest.mark.vllm
@@ -198,10 +195,10 @@ def test_each_worker_logs_one_line_after_building_its_runner(
 @pytest.mark.vllm
 @pytest.mark.parametrize(("disable", "expected"), [
     ("", _act(())),
-    ("penalties", _act(("penalties",))),
-    (",".join(name for name in vllm_plugin.PATCHES if name not in ASYNC_ONLY),
-     _act(vllm_plugin.PATCHES.keys() - set(ASYNC_ONLY))),
-    (",".join(vllm_plugin.PATCHES), "no fastbatch piece is installed in this process"),
+    ("penalty_output_tokens", _act(("penalty_output_tokens",))),
+    (",".join(name for name in registry.NAMES if name not in ASYNC_ONLY),
+     _act(set(registry.NAMES) - set(ASYNC_ONLY))),
+    (",".join(registry.NAMES), "no fastbatch piece is installed in this process"),
 ])
 def test_v1_line_says_which_pieces_act(stock, monkeypatch, disable, expected):
     """Before its runner is built, a V1 worker's async scheduling is not known:

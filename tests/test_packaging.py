@@ -11,47 +11,40 @@ import pytest
 
 import fastbatch
 import fastbatch._kernels
+from fastbatch import registry
 from subprocesses import OUTSIDE_THE_CHECKOUT
-
-# Each compiled piece, by module (named like its patch), and its public function.
-PIECES = {
-    "async_output_token_ids": "update_async_output_token_ids",
-    "async_spec_token_ids": "update_async_spec_token_ids",
-    "penalty_output_tokens": "output_tokens_tensor",
-    "prev_positions": "compute_prev_positions",
-    "prepare_input_ids": "prepare_input_ids_indices",
-}
 
 
 def _piece(name):
     return importlib.import_module(f"fastbatch._kernels.{name}")
 
 
-@pytest.mark.parametrize("name", [*PIECES, "_common"])
+@pytest.mark.parametrize("name", [*registry.NAMES, "_common"])
 def test_every_piece_is_a_compiled_module(name):
     assert fastbatch.COMPILED
     assert _piece(name).__file__.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))
 
 
-@pytest.mark.parametrize("name", PIECES)
+@pytest.mark.parametrize("name", registry.NAMES)
 def test_the_package_exports_the_compiled_functions(name):
-    function = PIECES[name]
-    assert getattr(fastbatch, function) is getattr(_piece(name), function)
+    for function in _piece(name).__all__:
+        assert getattr(fastbatch, function) is getattr(_piece(name), function)
 
 
 def test_tests_run_against_the_installed_package():
     """Under tox (FASTBATCH_EXPECT_INSTALLED=1) the wheel in site-packages is tested."""
     if os.environ.get("FASTBATCH_EXPECT_INSTALLED") == "1":
         assert "site-packages" in fastbatch.__file__, fastbatch.__file__
-    for name in PIECES:
+    for name in registry.NAMES:
         assert _piece(name).__file__.startswith(os.path.dirname(fastbatch.__file__))
 
 
-@pytest.mark.parametrize("name", PIECES)
+@pytest.mark.parametrize("name", registry.NAMES)
 def test_typing_files_ship_beside_the_pieces(name):
     assert importlib.resources.files("fastbatch").joinpath("py.typed").is_file()
     stub = importlib.resources.files("fastbatch._kernels").joinpath(f"{name}.pyi").read_text()
-    assert f"def {PIECES[name]}(" in stub
+    for function in _piece(name).__all__:
+        assert f"def {function}(" in stub
 
 
 def test_stats_cover_every_piece():
@@ -59,12 +52,14 @@ def test_stats_cover_every_piece():
     fastbatch.update_async_spec_token_ids([], {}, [], [])
     fastbatch._kernels.async_output_token_ids.update_async_output_token_ids([], {}, [], None)
     counts = fastbatch.stats()
-    assert counts["spec_calls"] == 1 and counts["calls"] == 1
-    assert {"penalty_tensors", "penalty_tokens", "prev_positions_calls",
-            "prev_positions_found", "input_ids_calls", "input_ids_common_requests",
-            "input_ids_spec_tokens"} <= counts.keys()
+    assert counts["async_spec_token_ids"]["calls"] == 1
+    assert counts["async_output_token_ids"]["calls"] == 1
+    assert counts.keys() == set(registry.NAMES)
+    assert {"tensors", "tokens"} <= counts["penalty_output_tokens"].keys()
+    assert {"calls", "found"} <= counts["prev_positions"].keys()
+    assert {"calls", "common_requests", "spec_tokens"} <= counts["prepare_input_ids"].keys()
     fastbatch.reset_stats()
-    assert set(fastbatch.stats().values()) == {0}
+    assert {n for piece in fastbatch.stats().values() for n in piece.values()} == {0}
 
 
 def test_fallback_warns_once_and_works():

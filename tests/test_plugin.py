@@ -13,52 +13,34 @@ import textwrap
 
 import pytest
 import torch
-from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.sample import rejection_sampler, sampler
 from vllm.v1.sample.ops import penalties
 from vllm.v1.worker.gpu_input_batch import InputBatch
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 import fastbatch
 from batches import vllm_0_21_method
-from fastbatch import vllm_plugin
+from fastbatch import registry, vllm_plugin
 from fastbatch.patches import async_output_token_ids as patch
 from fastbatch.patches import async_spec_token_ids as spec_patch
-from fastbatch.patches import bookkeeping_sync as bookkeeping_patch
-from fastbatch.patches import allocate_slots as scheduler_patch
 from fastbatch.patches import penalty_output_tokens as penalty_patch
-from fastbatch.patches import prepare_input_ids as input_ids_patch
-from fastbatch.patches import prev_positions as prev_positions_patch
-from fastbatch.patches._patch import _lookup
 from subprocesses import OUTSIDE_THE_CHECKOUT
 
 pytestmark = pytest.mark.vllm
+PIECES = {piece.name: piece for piece in registry.pieces()}
+# Every patch of every piece, in the order the plugin applies them, and
+# vLLM's code at each target.
+ALL_PATCHES = [patch for piece in PIECES.values() for patch in piece.patches]
+STOCK = {patch.target: patch.current() for patch in ALL_PATCHES}
 STOCK_METHOD = InputBatch.update_async_output_token_ids
 STOCK_SPEC_METHOD = InputBatch.update_async_spec_token_ids
 STOCK_CONVERT = penalties._convert_to_tensors
-STOCK_BOOKKEEPING = GPUModelRunner._bookkeeping_sync
-STOCK_PREV_POSITIONS = GPUModelRunner._compute_prev_positions
-STOCK_INPUT_IDS = GPUModelRunner._prepare_input_ids
-# Every patch of the plugin, by FASTBATCH_DISABLE name, and vLLM's code of each.
-PATCHES = {name: importlib.import_module(module)
-           for name, module in vllm_plugin.PATCHES.items()}
-STOCK = {name: _lookup(module.PATCH.module, module.PATCH.qualname)[2]
-         for name, module in PATCHES.items()}
-STOCK_ALLOCATE = KVCacheManager.allocate_slots
-STOCK_UPDATE_FROM_OUTPUT = Scheduler.update_from_output
 STOCK_APPLY_ALL = penalties.apply_all_penalties
 BINDINGS = (sampler, rejection_sampler, penalties)  # where apply_all_penalties is called from
 
 
 def _stock_everywhere():
-    return (InputBatch.update_async_output_token_ids is STOCK_METHOD
-            and InputBatch.update_async_spec_token_ids is STOCK_SPEC_METHOD
-            and penalties._convert_to_tensors is STOCK_CONVERT
-            and GPUModelRunner._bookkeeping_sync is STOCK_BOOKKEEPING
-            and GPUModelRunner._compute_prev_positions is STOCK_PREV_POSITIONS
-            and GPUModelRunner._prepare_input_ids is STOCK_INPUT_IDS
-            and not any(module.is_applied() for module in PATCHES.values())
+    return (all(patch.current() is STOCK[patch.target] for patch in ALL_PATCHES)
+            and not any(piece.is_applied() for piece in PIECES.values())
             and all(binding.apply_all_penalties is STOCK_APPLY_ALL for binding in BINDINGS))
 
 
@@ -66,7 +48,6 @@ def _masking_skipped_at():
     """The modules whose apply_all_penalties is fastbatch's (no masking)."""
     return {binding.__name__ for binding in BINDINGS
             if binding.apply_all_penalties is penalty_patch.apply_all_penalties}
-
 
 
 @pytest.fixture(autouse=True)
@@ -77,14 +58,15 @@ def stock_vllm(monkeypatch):
     stock penalties would fail (and the penalties patch's activation check
     with them, see test_penalties_stay_stock_where_stock_cannot_pin): off here.
     """
-    for module in PATCHES.values():
-        module.revert()
+    for piece in PIECES.values():
+        piece.revert()
     assert _stock_everywhere()
     monkeypatch.setattr(penalties, "PIN_MEMORY", False)
     monkeypatch.delenv("FASTBATCH_DISABLE", raising=False)
     yield
-    for module in PATCHES.values():
-        module.revert()  # monkeypatch then undoes the test's own replacements
+    for piece in PIECES.values():
+        piece.revert()  # monkeypatch then undoes the test's own replacements
+    vllm_plugin.RUNNER_REPORT.revert()
 
 
 @pytest.mark.parametrize("value", [None, "", "0", "false", "No", "off"])
@@ -102,78 +84,78 @@ def test_switch_off_leaves_vllm_stock(monkeypatch, logs, value):
 def test_switch_on_installs_once(monkeypatch, logs, value):
     monkeypatch.setenv("FASTBATCH", value)
     vllm_plugin.register()
+
     def current():
-        return tuple(_lookup(module.PATCH.module, module.PATCH.qualname)[2]
-                     for module in PATCHES.values())
+        return tuple(patch.current() for patch in ALL_PATCHES)
 
     installed = current()
-    for (name, module), value in zip(PATCHES.items(), installed, strict=True):
-        assert module.is_applied() and value is not STOCK[name], name
-    assert installed[:6] == (patch.update_async_output_token_ids,
-                             spec_patch.update_async_spec_token_ids,
-                             penalty_patch._convert_to_tensors,
-                             bookkeeping_patch._bookkeeping_sync,
-                             prev_positions_patch._compute_prev_positions,
-                             input_ids_patch._prepare_input_ids)
-    assert {name: module.original() for name, module in PATCHES.items()} == STOCK
+    for patch_, value_ in zip(ALL_PATCHES, installed, strict=True):
+        replacement = getattr(patch_.replacement, "__func__", patch_.replacement)
+        assert patch_.is_applied() and value_ is replacement, patch_.target
+        assert value_ is not STOCK[patch_.target] and value_.__fastbatch__
+    assert {p.target: p.original() for p in ALL_PATCHES} == STOCK
     vllm_plugin.register()  # vLLM loads plugins more than once
     vllm_plugin.register()
     assert current() == installed
-    assert patch.original() is STOCK_METHOD
+    assert patch.PATCH.original() is STOCK_METHOD
     assert _masking_skipped_at() == {binding.__name__ for binding in BINDINGS}
     infos = logs.at(logging.INFO)
-    targets = [module.TARGET for module in PATCHES.values()]
-    # after the conversion's line, one for each binding of apply_all_penalties
-    targets[3:3] = [f"{binding.__name__}.apply_all_penalties" for binding in BINDINGS]
-    # after_schedule installs AsyncScheduler's method first, then Scheduler's
-    after_schedule = PATCHES["after_schedule"]
-    targets.insert(targets.index(after_schedule.TARGET), after_schedule.ASYNC_PATCH.target)
+    # one line per patch, in the registry's order (after_schedule installs
+    # AsyncScheduler's method first, the penalties' masking comes after the
+    # conversion), then the runner report's hook
+    targets = [patch_.target for patch_ in ALL_PATCHES] + [vllm_plugin.RUNNER_REPORT.target]
     assert len(infos) == len(targets)
     for info, target in zip(infos, targets, strict=True):
-        for expected in (fastbatch.__version__, "vLLM 0.33.0", target, "compiled kernel"):
+        for expected in (fastbatch.__version__, "vLLM 0.33.0", target):
             assert expected in info
     status = vllm_plugin.status()
     assert status["installed"] is True
-    assert status["patches"] == dict.fromkeys(PATCHES, True)
+    assert status["patches"] == dict.fromkeys(PIECES, True)
 
 
 @pytest.mark.parametrize(("value", "stock"), [
-    ("penalties", {"penalties"}), ("SPEC", {"spec"}), ("output,penalties", {"output",
-                                                                           "penalties"}),
-    (" spec  output ", {"spec", "output"}), ("bookkeeping", {"bookkeeping"}),
-    (",".join(PATCHES), set(PATCHES)),
-    ("prev_positions INPUT_IDS", {"prev_positions", "input_ids"}),
-    ("scheduler", {"scheduler"}),
-    ("scheduler_outputs", {"scheduler_outputs"}),
+    ("penalty_output_tokens", {"penalty_output_tokens"}),
+    ("ASYNC_SPEC_TOKEN_IDS", {"async_spec_token_ids"}),
+    ("async_output_token_ids,penalty_output_tokens",
+     {"async_output_token_ids", "penalty_output_tokens"}),
+    (" async_spec_token_ids  async_output_token_ids ",
+     {"async_spec_token_ids", "async_output_token_ids"}),
+    (",".join(PIECES), set(PIECES)),
+    *[(name, {name}) for name in PIECES],
 ])
 def test_disable_leaves_single_pieces_stock(monkeypatch, logs, value, stock):
     monkeypatch.setenv("FASTBATCH", "1")
     monkeypatch.setenv("FASTBATCH_DISABLE", value)
     vllm_plugin.register()
-    assert vllm_plugin.status()["patches"] == {name: name not in stock for name in PATCHES}
-    assert (InputBatch.update_async_output_token_ids is STOCK_METHOD) == ("output" in stock)
-    assert (InputBatch.update_async_spec_token_ids is STOCK_SPEC_METHOD) == ("spec" in stock)
-    assert (penalties._convert_to_tensors is STOCK_CONVERT) == ("penalties" in stock)
-    assert (GPUModelRunner._bookkeeping_sync is STOCK_BOOKKEEPING) == ("bookkeeping" in stock)
-    assert (GPUModelRunner._compute_prev_positions is STOCK_PREV_POSITIONS) == (
-        "prev_positions" in stock)
-    assert (GPUModelRunner._prepare_input_ids is STOCK_INPUT_IDS) == ("input_ids" in stock)
-    assert bool(_masking_skipped_at()) == ("penalties" not in stock)
-    assert (KVCacheManager.allocate_slots is STOCK_ALLOCATE) == ("scheduler" in stock)
-    assert (Scheduler.update_from_output is STOCK_UPDATE_FROM_OUTPUT) == (
-        "scheduler_outputs" in stock)
+    assert vllm_plugin.status()["patches"] == {name: name not in stock for name in PIECES}
+    for name, piece in PIECES.items():
+        for patch_ in piece.patches:
+            assert (patch_.current() is STOCK[patch_.target]) == (name in stock), patch_.target
+    assert bool(_masking_skipped_at()) == ("penalty_output_tokens" not in stock)
     left_stock = [info for info in logs.at(logging.INFO) if "left stock" in info]
     assert len(left_stock) == len(stock)
     assert logs.at(logging.WARNING) == []
 
 
+@pytest.mark.parametrize(("old", "new"), sorted(registry.DEPRECATED_NAMES.items()))
+def test_deprecated_disable_names_still_work_and_warn(monkeypatch, logs, old, new):
+    monkeypatch.setenv("FASTBATCH", "1")
+    monkeypatch.setenv("FASTBATCH_DISABLE", old.upper())
+    vllm_plugin.register()
+    assert vllm_plugin.status()["patches"] == {name: name != new for name in PIECES}
+    assert all(patch_.current() is STOCK[patch_.target] for patch_ in PIECES[new].patches)
+    (warning,) = logs.at(logging.WARNING)
+    assert f"FASTBATCH_DISABLE={old} is deprecated" in warning and repr(new) in warning
+
+
 def test_disable_with_an_unknown_name_warns(monkeypatch, logs):
     monkeypatch.setenv("FASTBATCH", "1")
-    monkeypatch.setenv("FASTBATCH_DISABLE", "penalty, spec")
+    monkeypatch.setenv("FASTBATCH_DISABLE", "penalty, async_spec_token_ids")
     vllm_plugin.register()
-    assert vllm_plugin.status()["patches"] == {name: name != "spec" for name in PATCHES}
+    assert vllm_plugin.status()["patches"] == {name: name != "async_spec_token_ids"
+                                               for name in PIECES}
     (warning,) = logs.at(logging.WARNING)
-    assert "'penalty'" in warning and "output, spec, penalties, bookkeeping" in warning
+    assert "'penalty'" in warning and ", ".join(registry.NAMES) in warning
 
 
 @pytest.mark.parametrize("value", ["2", "maybe", "enable"])
@@ -232,13 +214,56 @@ def test_plugin_loaded_by_vllm_itself(monkeypatch):
     assert "patched by vLLM's loader" in result.stdout
 
 
-def test_guard_accepts_the_installed_vllm():
+@pytest.mark.parametrize("patch_", ALL_PATCHES, ids=lambda patch_: patch_.target)
+def test_guard_accepts_the_installed_vllm(patch_):
     import vllm
 
-    assert patch.check_target(vllm.__version__, STOCK_METHOD) is None
-    assert spec_patch.check_target(vllm.__version__, STOCK_SPEC_METHOD) is None
-    assert penalty_patch.check_target(vllm.__version__, STOCK_CONVERT) is None
-    assert scheduler_patch.check_target(vllm.__version__, STOCK_ALLOCATE) is None
+    assert patch_.check_target(vllm.__version__, STOCK[patch_.target]) is None
+
+
+@pytest.mark.parametrize("patch_", [p for p in ALL_PATCHES if p.requires is None],
+                         ids=lambda patch_: patch_.target)
+def test_guard_refuses_any_changed_target(monkeypatch, logs, patch_):
+    """Every target: a function with other code in its place (here one that
+    calls vLLM's) is not a verified variant; that piece stays stock, the
+    others are installed."""
+    stock = STOCK[patch_.target]
+
+    def changed(*args, **kwargs):
+        return stock(*args, **kwargs)
+
+    owner = importlib.import_module(patch_.module)
+    *parents, attribute = patch_.qualname.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent)
+    monkeypatch.setattr(owner, attribute, changed)
+    monkeypatch.setenv("FASTBATCH", "1")
+    vllm_plugin.register()
+    assert patch_.current() is changed and not patch_.is_applied()
+    piece = PIECES[patch_.name]
+    status = vllm_plugin.status()["patches"]
+    assert all(status[name] for name in PIECES if name != piece.name)
+    # a piece's other patch (AsyncScheduler's override) may stand without it
+    assert status[piece.name] is (patch_ is not piece.main)
+    warnings = logs.at(logging.WARNING)
+    assert warnings and all("not a verified variant" in w for w in warnings)
+    assert any(f"the code of {patch_.target} is not a verified variant" in w for w in warnings)
+
+
+@pytest.mark.parametrize("piece", PIECES.values(), ids=lambda piece: piece.name)
+def test_revert_restores_each_piece_alone(monkeypatch, piece):
+    monkeypatch.setenv("FASTBATCH", "1")
+    vllm_plugin.register()
+    piece.revert()
+    assert not piece.is_applied()
+    for patch_ in ALL_PATCHES:
+        assert (patch_.current() is STOCK[patch_.target]) == (patch_ in piece.patches)
+        assert (patch_.original() is None) == (patch_ in piece.patches)
+    assert vllm_plugin.status()["patches"] == {name: name != piece.name for name in PIECES}
+    piece.revert()  # idempotent
+    assert piece.apply()
+    assert all(patch_.current() is getattr(patch_.replacement, "__func__", patch_.replacement)
+               for patch_ in piece.patches)
 
 
 def test_guard_refuses_a_changed_spec_method(monkeypatch, logs):
@@ -253,9 +278,10 @@ def test_guard_refuses_a_changed_spec_method(monkeypatch, logs):
     monkeypatch.setenv("FASTBATCH", "1")
     vllm_plugin.register()
     assert InputBatch.update_async_spec_token_ids is changed
-    assert vllm_plugin.status()["patches"] == {name: name != "spec" for name in PATCHES}
+    assert vllm_plugin.status()["patches"] == {name: name != "async_spec_token_ids"
+                                               for name in PIECES}
     (warning,) = logs.at(logging.WARNING)
-    assert spec_patch.TARGET in warning and "not a verified variant" in warning
+    assert spec_patch.PATCH.target in warning and "not a verified variant" in warning
 
 
 def test_guard_refuses_penalties_whose_masking_moved(monkeypatch, logs):
@@ -276,7 +302,7 @@ def test_guard_refuses_penalties_whose_masking_moved(monkeypatch, logs):
     assert penalties._convert_to_tensors is STOCK_CONVERT
     (warning,) = logs.at(logging.WARNING)
     assert "apply_all_penalties is not a verified variant" in warning
-    assert penalty_patch.TARGET in warning
+    assert penalty_patch.PATCH.target in warning
 
 
 def test_masking_is_never_skipped_without_fastbatchs_conversion(logs):
@@ -288,9 +314,9 @@ def test_masking_is_never_skipped_without_fastbatchs_conversion(logs):
     errors = logs.at(logging.ERROR)
     assert len(errors) == 3
     assert all("_convert_to_tensors is not applied" in error for error in errors)
-    assert penalty_patch.apply()
+    assert PIECES["penalty_output_tokens"].apply()
     assert len(_masking_skipped_at()) == 3
-    penalty_patch.revert()
+    PIECES["penalty_output_tokens"].revert()
     assert _stock_everywhere()
 
 
@@ -320,10 +346,10 @@ def test_penalties_stay_stock_where_stock_cannot_pin(monkeypatch, logs):
     monkeypatch.setenv("FASTBATCH", "1")
     vllm_plugin.register()
     assert penalties._convert_to_tensors is STOCK_CONVERT
-    assert vllm_plugin.status()["patches"] == {name: name != "penalties"
-                                               for name in PATCHES}
+    assert vllm_plugin.status()["patches"] == {name: name != "penalty_output_tokens"
+                                               for name in PIECES}
     (error,) = logs.at(logging.ERROR)
-    assert "activation check failed" in error and penalty_patch.TARGET in error
+    assert "activation check failed" in error and penalty_patch.PATCH.target in error
 
 
 def test_patched_penalties_pin_as_stock_pins(monkeypatch):
@@ -339,14 +365,15 @@ def test_patched_penalties_pin_as_stock_pins(monkeypatch):
         penalties._convert_to_tensors(rows, 10, "cpu")
 
 
-@pytest.mark.parametrize("broken", ["spec", "penalties", "bookkeeping"])
+@pytest.mark.parametrize("broken", ["async_spec_token_ids", "penalty_output_tokens",
+                                    "bookkeeping_sync"])
 def test_activation_check_refuses_wrong_new_kernels(monkeypatch, logs, broken):
-    if broken == "bookkeeping":
+    if broken == "bookkeeping_sync":
         def wrong(req_ids, requests, num_sampled, valid, discarded, num_tokens, *rest):
             for req_id in req_ids[:num_sampled]:  # forgets the arrays
                 requests[req_id].output_token_ids.append(-1)
         monkeypatch.setattr(fastbatch, "append_sampled_token_ids", wrong)
-    elif broken == "spec":
+    elif broken == "async_spec_token_ids":
         def wrong(req_ids, prev, spec_token_ids, draft_token_ids):
             for ids in spec_token_ids or ():
                 if ids:
@@ -360,9 +387,9 @@ def test_activation_check_refuses_wrong_new_kernels(monkeypatch, logs, broken):
         monkeypatch.setattr(fastbatch, "output_tokens_tensor", wrong)
     monkeypatch.setenv("FASTBATCH", "1")
     vllm_plugin.register()
-    assert vllm_plugin.status()["patches"] == {name: name != broken for name in PATCHES}
+    assert vllm_plugin.status()["patches"] == {name: name != broken for name in PIECES}
     (error,) = logs.at(logging.ERROR)
-    assert "activation check failed" in error and PATCHES[broken].TARGET in error
+    assert "activation check failed" in error and PIECES[broken].main.target in error
 
 
 def test_guard_refuses_a_changed_method(monkeypatch, logs):
@@ -382,7 +409,9 @@ def test_guard_refuses_an_unknown_version(monkeypatch, logs):
     vllm_plugin.register()
     assert _stock_everywhere()
     warnings = logs.at(logging.WARNING)
-    assert len(warnings) == len(PATCHES) + 1  # after_schedule: one per scheduler class
+    # one per patch (the penalties' masking is not tried without its conversion),
+    # and one for the runner report's hook
+    assert len(warnings) == len([p for p in ALL_PATCHES if p.requires is None]) + 1
     assert all("vLLM 0.34.0 is not a verified version" in w for w in warnings)
 
 
@@ -401,10 +430,11 @@ def test_force_patches_an_unknown_version(monkeypatch, logs):
     monkeypatch.setenv("FASTBATCH", "force")
     vllm_plugin.register()
     assert InputBatch.update_async_output_token_ids is patch.update_async_output_token_ids
-    assert vllm_plugin.status()["patches"] == dict.fromkeys(PATCHES, True)
+    assert vllm_plugin.status()["patches"] == dict.fromkeys(PIECES, True)
     assert _masking_skipped_at() == {binding.__name__ for binding in BINDINGS}
+    # every patch, and the runner report's hook
     assert sum("patching anyway" in w for w in logs.at(logging.WARNING)) == (
-        len(PATCHES) + len(BINDINGS) + 1)  # after_schedule: one per scheduler class
+        len(ALL_PATCHES) + 1)
 
 
 def test_force_still_needs_the_activation_check(monkeypatch, logs):
@@ -438,10 +468,10 @@ def test_revert_restores_the_original(monkeypatch):
     monkeypatch.setenv("FASTBATCH", "1")
     vllm_plugin.register()
     assert vllm_plugin.status()["installed"] is True
-    for module in PATCHES.values():
-        module.revert()
+    for piece in PIECES.values():
+        piece.revert()
     assert _stock_everywhere()
-    assert patch.original() is None
+    assert patch.PATCH.original() is None
     assert vllm_plugin.status()["installed"] is False
 
 
@@ -451,7 +481,7 @@ def test_patched_method_counts_its_work(monkeypatch):
     vllm_plugin.register()
     (batch, *_) = patch._synthetic_batches(torch)
     InputBatch.update_async_output_token_ids(batch)
-    stats = vllm_plugin.status()["stats"]
+    stats = vllm_plugin.status()["stats"]["async_output_token_ids"]
     assert stats["calls"] == 1 and stats["requests_updated"] == 4
     assert stats["tokens_written"] == 4
 
@@ -471,9 +501,9 @@ def test_ray_workers_get_the_switch_from_the_driver(monkeypatch):
     from vllm.v1.executor.ray_utils import WORKER_SPECIFIC_ENV_VARS
 
     monkeypatch.setenv("FASTBATCH", "1")
-    monkeypatch.setenv("FASTBATCH_DISABLE", "penalties")
+    monkeypatch.setenv("FASTBATCH_DISABLE", "penalty_output_tokens")
     sent = get_driver_env_vars(WORKER_SPECIFIC_ENV_VARS)
-    assert sent["FASTBATCH"] == "1" and sent["FASTBATCH_DISABLE"] == "penalties"
+    assert sent["FASTBATCH"] == "1" and sent["FASTBATCH_DISABLE"] == "penalty_output_tokens"
 
     source = pathlib.Path(vllm.__file__).parent / "v1/executor/ray_executor_v2.py"
     (initialize_worker,) = [

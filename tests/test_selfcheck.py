@@ -5,7 +5,6 @@ installed) and on the real vLLM 0.33.0 (marker ``vllm``).  It must not need a
 GPU nor start an engine.
 """
 
-import importlib
 import os
 import subprocess
 import sys
@@ -14,15 +13,14 @@ import textwrap
 import pytest
 
 import fastbatch
-from fastbatch import vllm_plugin
+from fastbatch import registry
 from subprocesses import OUTSIDE_THE_CHECKOUT
 
 
 def scheduler_pieces() -> list[str]:
     """The pieces that replace the scheduler's code, which Model Runner V2 runs
     too (importing every patch module needs torch: only the vLLM tests call it)."""
-    return [name for name, module in vllm_plugin.PATCHES.items()
-            if importlib.import_module(module).PATCH.acts_under_v2]
+    return [piece.name for piece in registry.pieces() if piece.main.acts_under_v2]
 
 
 # Makes vLLM unimportable, then runs the self-check as ``python -m`` does.
@@ -81,16 +79,21 @@ def test_on_vllm_0_33_every_piece_would_act():
     assert "FASTBATCH='1' (on)" in out
     assert "\nvLLM 0.33.0 (" in out
     lines = out.splitlines()
-    for name in vllm_plugin.PATCHES:
-        (start,) = [i for i, line in enumerate(lines) if line.startswith(f"  {name}: ")]
-        assert lines[start + 1:start + 4] == [
-            "    target: verified", "    activation check: passed",
-            "    with FASTBATCH=1: replaced"], out
+    for piece in registry.pieces():
+        (start,) = [i for i, line in enumerate(lines) if line == f"  {piece.name}:"]
+        expected = []
+        for patch in piece.patches:
+            check = ("passed" if patch.requires is None
+                     else f"run once {patch.requires.target} is replaced")
+            expected += [f"    {patch.target}", "      target: verified",
+                         f"      activation check: {check}"]
+        expected.append("    with FASTBATCH=1: replaced")
+        assert lines[start + 1:start + 1 + len(expected)] == expected, out
     # The CPU platform has no Triton: vLLM picks the V1 runner.
     assert ("model runner by default here: V1 (Model Runner V2 needs Triton, which this "
             "platform does not have)") in out
     assert out.splitlines()[-1] == ("verdict: with FASTBATCH=1 these pieces would act: "
-                                    + ", ".join(vllm_plugin.PATCHES))
+                                    + ", ".join(registry.NAMES))
 
 
 @pytest.mark.vllm
@@ -107,7 +110,8 @@ def test_on_model_runner_v2_only_the_scheduler_piece_would_act():
 def test_on_model_runner_v2_nothing_would_act():
     result = _self_check("-m", "fastbatch", VLLM_TARGET_DEVICE="cpu",
                          VLLM_USE_V2_MODEL_RUNNER="1",
-                         FASTBATCH_DISABLE=",".join(["spec", *scheduler_pieces()]),
+                         FASTBATCH_DISABLE=",".join(["async_spec_token_ids",
+                                                     *scheduler_pieces()]),
                          FASTBATCH_VERIFY="often")
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     out = result.stdout

@@ -8,7 +8,6 @@ ids or lengths its small synthetic inputs do not have); the real kernels must
 give no divergence on generated batches.
 """
 
-import importlib
 import logging
 import os
 import pickle
@@ -23,7 +22,7 @@ from vllm.v1.worker.gpu_input_batch import InputBatch
 
 import fastbatch
 from batches import Batch
-from fastbatch import vllm_plugin
+from fastbatch import _verify, registry, vllm_plugin
 from fastbatch.patches import async_output_token_ids as patch
 from fastbatch.patches import async_spec_token_ids as spec_patch
 from fastbatch.patches import penalty_output_tokens as penalty_patch
@@ -32,8 +31,8 @@ from token_lists import SpecBatch, spec_batches
 pytestmark = pytest.mark.vllm
 # Every piece (by FASTBATCH_DISABLE name), and those with a shadow check: with
 # FASTBATCH_VERIFY on, the others stay stock.
-PATCHES = {name: importlib.import_module(module) for name, module in vllm_plugin.PATCHES.items()}
-SHADOWED = ("output", "spec", "penalties")
+PIECES = {piece.name: piece for piece in registry.pieces()}
+SHADOWED = ("async_output_token_ids", "async_spec_token_ids", "penalty_output_tokens")
 REAL_OUTPUT_KERNEL = fastbatch.update_async_output_token_ids
 REAL_SPEC_KERNEL = fastbatch.update_async_spec_token_ids
 REAL_TENSOR_KERNEL = fastbatch.output_tokens_tensor
@@ -71,8 +70,8 @@ def verify(monkeypatch, tmp_path):
     monkeypatch.setattr(penalties, "PIN_MEMORY", False)  # no accelerator to pin with
     monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
     monkeypatch.delenv("FASTBATCH_DISABLE", raising=False)
-    for module in PATCHES.values():
-        module.revert()
+    for piece in PIECES.values():
+        piece.revert()
 
     def register(value="1"):
         monkeypatch.setenv("FASTBATCH", "1")
@@ -81,8 +80,8 @@ def verify(monkeypatch, tmp_path):
         return tmp_path
 
     yield register
-    for module in PATCHES.values():
-        module.revert()
+    for piece in PIECES.values():
+        piece.revert()
 
 
 @pytest.mark.parametrize(("value", "rate"), [
@@ -111,11 +110,11 @@ def test_verify_installs_a_checked_replacement(verify, logs):
     installed = InputBatch.update_async_output_token_ids
     assert installed is not patch.update_async_output_token_ids
     assert getattr(installed, "__fastbatch__", False)
-    assert patch.original() is not None
+    assert patch.PATCH.original() is not None
     assert all("every call checked against vLLM's" in info for info in logs.at(logging.INFO))
     assert vllm_plugin.status()["verify"] == {
-        "rate": 1.0, "checked": dict.fromkeys(PATCHES, 0),
-        "divergences": dict.fromkeys(PATCHES, 0)}
+        "rate": 1.0, "checked": dict.fromkeys(PIECES, 0),
+        "divergences": dict.fromkeys(PIECES, 0)}
 
 
 # --- the output-token update -------------------------------------------------
@@ -135,26 +134,27 @@ def test_output_without_divergence_keeps_fastbatch_result(verify):
     batch = _batch_with_big_ids()
     stock, _ = _real_input_batch(batch)
     ours, _ = _real_input_batch(batch)
-    patch.original()(stock)
+    patch.PATCH.original()(stock)
     InputBatch.update_async_output_token_ids(ours)
     assert ours.req_output_token_ids == stock.req_output_token_ids
     assert fastbatch.stats()["async_output_token_ids"]["calls"] == 1  # fastbatch did the call
     # vLLM's copy ran too, with the same event: both synchronised it.
     assert ours.async_copy_ready_event.count == 2
     checked = vllm_plugin.status()["verify"]
-    assert checked["checked"]["output"] == 1 and checked["divergences"]["output"] == 0
+    assert checked["checked"]["async_output_token_ids"] == 1
+    assert checked["divergences"]["async_output_token_ids"] == 0
 
 
 def test_output_divergence_keeps_vllm_result_in_the_same_lists(verify, monkeypatch, logs):
     monkeypatch.setattr(fastbatch, "update_async_output_token_ids",
                         output_kernel_wrong_for_big_ids)
     folder = verify("1")
-    assert patch.is_applied()  # the activation check did not see the bug
+    assert patch.PATCH.is_applied()  # the activation check did not see the bug
     batch = _batch_with_big_ids()
     stock, _ = _real_input_batch(batch)
     ours, states = _real_input_batch(batch)
     lists = list(ours.req_output_token_ids)
-    patch.original()(stock)
+    patch.PATCH.original()(stock)
 
     InputBatch.update_async_output_token_ids(ours)
 
@@ -166,15 +166,16 @@ def test_output_divergence_keeps_vllm_result_in_the_same_lists(verify, monkeypat
     for req_id, index in ours.req_id_to_index.items():
         assert ours.req_output_token_ids[index] is states[req_id].output_token_ids
     status = vllm_plugin.status()["verify"]
-    assert status["divergences"] == {name: int(name == "output") for name in PATCHES}
+    assert status["divergences"] == {name: int(name == "async_output_token_ids") for name in PIECES}
     (error,) = logs.at(logging.ERROR)
-    assert "'output'" in error and patch.TARGET in error and "vLLM's result was kept" in error
+    assert "'async_output_token_ids'" in error and patch.PATCH.target in error
+    assert "vLLM's result was kept" in error
 
     # The reproducer replays the divergence, and no longer once the bug is gone.
     (path,) = folder.iterdir()
     assert str(path) in error and path.name.startswith(f"output-{os.getpid()}-")
     record = pickle.loads(path.read_bytes())
-    assert record["piece"] == "output" and record["vllm_version"] == "0.33.0"
+    assert record["piece"] == "async_output_token_ids" and record["vllm_version"] == "0.33.0"
     assert record["fastbatch_outcome"] != record["stock_outcome"]
     assert vllm_plugin.replay(str(path)) is not None
     monkeypatch.setattr(fastbatch, "update_async_output_token_ids", REAL_OUTPUT_KERNEL)
@@ -188,7 +189,7 @@ def test_output_divergence_keeps_vllm_result_in_the_same_lists(verify, monkeypat
     InputBatch.update_async_output_token_ids(again)
     assert again.req_output_token_ids == stock.req_output_token_ids
     assert fastbatch.stats()["async_output_token_ids"]["calls"] == calls
-    assert vllm_plugin.status()["verify"]["divergences"]["output"] == 1
+    assert vllm_plugin.status()["verify"]["divergences"]["async_output_token_ids"] == 1
     assert len(list(folder.iterdir())) == 1
 
 
@@ -203,10 +204,10 @@ def test_a_kernel_that_raises_where_vllm_does_not_is_a_divergence(verify, monkey
     batch = _batch_with_big_ids()
     stock, _ = _real_input_batch(batch)
     ours, _ = _real_input_batch(batch)
-    patch.original()(stock)
+    patch.PATCH.original()(stock)
     InputBatch.update_async_output_token_ids(ours)  # no exception: vLLM's result
     assert ours.req_output_token_ids == stock.req_output_token_ids
-    assert vllm_plugin.status()["verify"]["divergences"]["output"] == 1
+    assert vllm_plugin.status()["verify"]["divergences"]["async_output_token_ids"] == 1
 
 
 def test_input_that_vllm_rejects_too_raises_without_divergence(verify):
@@ -217,7 +218,8 @@ def test_input_that_vllm_rejects_too_raises_without_divergence(verify):
     with pytest.raises(IndexError):
         InputBatch.update_async_output_token_ids(ours)
     status = vllm_plugin.status()["verify"]
-    assert status["checked"]["output"] == 1 and status["divergences"]["output"] == 0
+    assert status["checked"]["async_output_token_ids"] == 1
+    assert status["divergences"]["async_output_token_ids"] == 0
 
 
 def test_vllm_raising_where_fastbatch_does_not_raises_as_vllm(verify, logs):
@@ -226,7 +228,7 @@ def test_vllm_raising_where_fastbatch_does_not_raises_as_vllm(verify, logs):
         raise RuntimeError("vLLM's own failure")
 
     verify("0")
-    checked = patch.PATCH.checked_replacement(vllm_fails, 1.0)
+    checked = _verify.checked_replacement(patch.PATCH, vllm_fails, 1.0)
     ours, _ = _real_input_batch(_batch_with_big_ids())
     with pytest.raises(RuntimeError, match="vLLM's own failure"):
         checked(ours)
@@ -240,16 +242,16 @@ def test_nothing_to_check_on_the_early_return(verify):
     ours, _ = _real_input_batch(_batch_with_big_ids())
     ours.sampled_token_ids_cpu = None
     InputBatch.update_async_output_token_ids(ours)
-    assert vllm_plugin.status()["verify"]["checked"]["output"] == 0
+    assert vllm_plugin.status()["verify"]["checked"]["async_output_token_ids"] == 0
 
 
 @pytest.fixture(scope="module")
 def verified_output():
     """The output piece applied with every call checked (for hypothesis)."""
-    patch.revert()
-    assert patch.PATCH.apply(verify=1.0, name="output")
+    patch.PATCH.revert()
+    assert patch.PATCH.apply(verify=1.0)
     yield InputBatch.update_async_output_token_ids
-    patch.revert()
+    patch.PATCH.revert()
 
 
 @settings(max_examples=int(os.environ.get("FASTBATCH_VLLM_EXAMPLES", 1000)) // 2)
@@ -258,7 +260,7 @@ def test_no_false_divergence_on_generated_batches(verified_output, batch):
     note(repr(batch))
     stock, _ = _real_input_batch(batch)
     ours, states = _real_input_batch(batch)
-    patch.original()(stock)
+    patch.PATCH.original()(stock)
     checked = patch.PATCH.checked
     verified_output(ours)
     assert patch.PATCH.divergences == 0
@@ -280,12 +282,12 @@ def _spec_batch():
 def test_spec_divergence_keeps_vllm_result_in_the_same_lists(verify, monkeypatch, logs):
     monkeypatch.setattr(fastbatch, "update_async_spec_token_ids", spec_kernel_wrong_for_big_ids)
     verify("1")
-    assert spec_patch.is_applied()
+    assert spec_patch.PATCH.is_applied()
     batch = _spec_batch()
     stock, ours = _real_spec_batch(batch), _real_spec_batch(batch)
     stock_drafts, our_drafts = batch.clone().draft_token_ids, batch.clone().draft_token_ids
     spec_lists, draft_rows = list(ours.spec_token_ids), list(our_drafts)
-    spec_patch.original()(stock, stock_drafts)
+    spec_patch.PATCH.original()(stock, stock_drafts)
 
     InputBatch.update_async_spec_token_ids(ours, our_drafts)
 
@@ -295,7 +297,7 @@ def test_spec_divergence_keeps_vllm_result_in_the_same_lists(verify, monkeypatch
     assert all(a is b for a, b in zip(ours.spec_token_ids, spec_lists, strict=True))
     assert all(a is b for a, b in zip(our_drafts, draft_rows, strict=True))
     assert vllm_plugin.status()["verify"]["divergences"] == {
-        name: int(name == "spec") for name in PATCHES}
+        name: int(name == "async_spec_token_ids") for name in PIECES}
     (error,) = logs.at(logging.ERROR)
     assert "'spec'" in error
 
@@ -304,9 +306,9 @@ def test_spec_divergence_keeps_vllm_result_in_the_same_lists(verify, monkeypatch
 @given(batch=spec_batches(max_reqs=10))
 def test_spec_no_false_divergence_on_generated_batches(batch):
     note(repr(batch))
-    spec_patch.revert()  # no counters left from another test
-    original = spec_patch.original() or InputBatch.update_async_spec_token_ids
-    checked = spec_patch.PATCH.checked_replacement(original, 1.0)
+    spec_patch.PATCH.revert()  # no counters left from another test
+    original = spec_patch.PATCH.original() or InputBatch.update_async_spec_token_ids
+    checked = _verify.checked_replacement(spec_patch.PATCH, original, 1.0)
     stock, ours = _real_spec_batch(batch), _real_spec_batch(batch)
     stock_drafts, our_drafts = batch.clone().draft_token_ids, batch.clone().draft_token_ids
     original(stock, stock_drafts)
@@ -321,30 +323,30 @@ def test_spec_no_false_divergence_on_generated_batches(batch):
 def test_penalties_divergence_returns_vllm_tensor(verify, monkeypatch, logs):
     monkeypatch.setattr(fastbatch, "output_tokens_tensor", tensor_kernel_wrong_for_long_rows)
     verify("1")
-    assert penalty_patch.is_applied()
+    assert penalty_patch.PATCH.is_applied()
     short = [[1, 2, -1], [3]]
     assert torch.equal(penalties._convert_to_tensors(short, 10, "cpu"),
                        torch.tensor([[1, 2, 10], [3, 10, 10]]))
     rows = [list(range(100)), [5, -1]]
     got = penalties._convert_to_tensors(rows, 200, "cpu")
-    expected = penalty_patch.original()(rows, 200, "cpu")
+    expected = penalty_patch.PATCH.original()(rows, 200, "cpu")
     assert expected[1, 1] == -1
     # vLLM's tensor, masked as apply_all_penalties masks it next.
     assert torch.equal(got, expected.masked_fill(expected == -1, 200))
     status = vllm_plugin.status()["verify"]
-    assert status["checked"]["penalties"] == 2
-    assert status["divergences"]["penalties"] == 1
+    assert status["checked"]["penalty_output_tokens"] == 2
+    assert status["divergences"]["penalty_output_tokens"] == 1
     (error,) = logs.at(logging.ERROR)
     assert "'penalties'" in error and "at (0, 0) fastbatch gave 1, vLLM 0" in error
 
 
 def test_sampled_rate_checks_some_calls(verify):
     verify("0")
-    original = penalty_patch.original() or penalties._convert_to_tensors
+    original = penalty_patch.PATCH.original() or penalties._convert_to_tensors
     assert not getattr(original, "__fastbatch__", False)
     for rate, low, high in ((0.5, 1, 199), (1.0, 200, 200), (0.0, 0, 0)):
         penalty_patch.PATCH.checked = 0
-        checked = penalty_patch.PATCH.checked_replacement(original, rate)
+        checked = _verify.checked_replacement(penalty_patch.PATCH, original, rate)
         for _ in range(200):
             checked([[1, -1]], 10, "cpu")
         assert low <= penalty_patch.PATCH.checked <= high
@@ -353,7 +355,7 @@ def test_sampled_rate_checks_some_calls(verify):
 def test_a_piece_without_shadow_stays_stock_under_verify(verify, monkeypatch, logs):
     monkeypatch.setattr(spec_patch.PATCH, "shadow", None)
     verify("1")
-    assert vllm_plugin.status()["patches"] == {name: name in SHADOWED and name != "spec"
-                                               for name in PATCHES}
-    (warning,) = [line for line in logs.at(logging.WARNING) if spec_patch.TARGET in line]
-    assert spec_patch.TARGET in warning and "no shadow check" in warning
+    assert vllm_plugin.status()["patches"] == {
+        name: name in SHADOWED and name != "async_spec_token_ids" for name in PIECES}
+    (warning,) = [line for line in logs.at(logging.WARNING) if spec_patch.PATCH.target in line]
+    assert spec_patch.PATCH.target in warning and "no shadow check" in warning

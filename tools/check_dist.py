@@ -1,5 +1,6 @@
-"""Check what `python -m build` made: a platform wheel with every compiled piece,
-their stubs and py.typed; an sdist with the .pyx sources and no generated C."""
+"""Check what `python -m build` made: a platform wheel with every piece (patch
+module, compiled module, stub, twin) and py.typed; an sdist with the .pyx
+sources and no generated C."""
 
 import sys
 import tarfile
@@ -12,26 +13,16 @@ def main(dist: Path) -> None:
     (sdist,) = dist.glob("fastbatch-*.tar.gz")
     assert "-none-any" not in wheel.name, f"{wheel.name} is not a platform wheel"
     names = zipfile.ZipFile(wheel).namelist()
-    pieces = sorted(p.stem for p in (Path(__file__).parent.parent / "fastbatch" / "_kernels")
-                    .glob("*.pyx"))
-    assert pieces, "no .pyx found beside this script's project"
-    for required in ("fastbatch/py.typed", "fastbatch/vllm_plugin.py",
-                     "fastbatch/__main__.py", "fastbatch/model_runner.py",
-                     *(f"fastbatch/_kernels/{piece}.pyi" for piece in pieces),
-                     "fastbatch/patches/_patch.py",
-                     "fastbatch/patches/async_output_token_ids.py",
-                     "fastbatch/patches/async_spec_token_ids.py",
-                     "fastbatch/patches/bookkeeping_sync.py",
-                     "fastbatch/patches/penalty_output_tokens.py",
-                     "fastbatch/patches/prev_positions.py",
-                     "fastbatch/patches/prepare_input_ids.py",
-                     "fastbatch/patches/get_output.py",
-                     "fastbatch/patches/parse_output.py",
-                     "fastbatch/patches/draft_token_ids.py",
-                     "fastbatch/patches/allocate_slots.py",
-                     "fastbatch/patches/update_from_output.py",
-                     "fastbatch/patches/after_schedule.py",
-                     "fastbatch/patches/cached_requests.py"):
+    # The pieces, as fastbatch.registry finds them: the public patch modules.
+    package = Path(__file__).parent.parent / "fastbatch"
+    pieces = sorted(p.stem for p in (package / "patches").glob("[!_]*.py"))
+    assert pieces, "no piece found beside this script's project"
+    for required in ("fastbatch/py.typed", "fastbatch/vllm_plugin.py", "fastbatch/registry.py",
+                     "fastbatch/__main__.py", "fastbatch/model_runner.py", "fastbatch/_verify.py",
+                     "fastbatch/patches/_patch.py", "fastbatch/patches/_releases.py",
+                     *(f"fastbatch/{folder}/{piece}{suffix}" for piece in pieces
+                       for folder, suffix in (("patches", ".py"), ("_kernels", ".pyi"),
+                                              ("_reference", ".py")))):
         assert required in names, f"{required} missing from {wheel.name}"
     for piece in pieces:
         assert any(n.startswith(f"fastbatch/_kernels/{piece}.") and n.endswith(".so")

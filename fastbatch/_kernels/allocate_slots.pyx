@@ -1,5 +1,5 @@
 # Compiler directives are set in setup.py (one place, with a debug switch).
-"""Compiled piece ``scheduler``: vLLM's ``KVCacheManager.allocate_slots`` with its no-op in C.
+"""Compiled piece ``allocate_slots``: vLLM's ``KVCacheManager.allocate_slots`` with its no-op in C.
 
 ``allocate_slots`` is the method itself, bound on vLLM's class by the patch
 (a Cython function binds like a Python one: ``binding`` is on, Cython 3's

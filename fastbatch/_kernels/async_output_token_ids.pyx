@@ -1,5 +1,5 @@
 # Compiler directives are set in setup.py (one place, with a debug switch).
-"""Compiled piece ``output``: vLLM's ``InputBatch.update_async_output_token_ids``.
+"""Compiled piece ``async_output_token_ids``: vLLM's ``InputBatch.update_async_output_token_ids``.
 
 ``update_async_output_token_ids`` does for a whole batch what vLLM's
 ``InputBatch.update_async_output_token_ids`` does one request at a time in

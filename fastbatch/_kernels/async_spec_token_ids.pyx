@@ -1,5 +1,6 @@
 # Compiler directives are set in setup.py (one place, with a debug switch).
-"""Compiled piece ``spec``: the loop of vLLM's ``InputBatch.update_async_spec_token_ids``.
+"""Compiled piece ``async_spec_token_ids``: the loop of vLLM's
+``InputBatch.update_async_spec_token_ids``.
 
 Two passes, as every piece: plan (validate, mutate nothing), then apply.
 ``fastbatch._reference`` holds the same behaviour in plain Python.

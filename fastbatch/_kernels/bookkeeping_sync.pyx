@@ -1,5 +1,5 @@
 # Compiler directives are set in setup.py (one place, with a debug switch).
-"""Compiled piece ``bookkeeping``: the per-request loop of vLLM's
+"""Compiled piece ``bookkeeping_sync``: the per-request loop of vLLM's
 ``GPUModelRunner._bookkeeping_sync``.
 
 Two passes, as every piece: plan (validate, mutate nothing), then apply.

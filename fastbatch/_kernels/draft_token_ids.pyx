@@ -1,5 +1,5 @@
 # Compiler directives are set in setup.py (one place, with a debug switch).
-"""Compiled piece ``drafts``: the draft-token lists of vLLM's
+"""Compiled piece ``draft_token_ids``: the draft-token lists of vLLM's
 ``GPUModelRunner._get_draft_token_ids_cpu`` (speculative decoding).
 
 vLLM does ``draft_token_ids_cpu[:num_reqs, :num_spec_tokens].tolist()``.

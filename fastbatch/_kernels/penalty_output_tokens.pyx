@@ -1,5 +1,5 @@
 # Compiler directives are set in setup.py (one place, with a debug switch).
-"""Compiled piece ``penalties``: the padded output-token tensor of vLLM's penalties.
+"""Compiled piece ``penalty_output_tokens``: the padded output-token tensor of vLLM's penalties.
 
 ``vllm/v1/sample/ops/penalties.py``: ``_convert_to_tensors`` followed by
 ``apply_all_penalties``' ``-1 -> vocab_size`` masking, written straight into

@@ -1,5 +1,5 @@
 # Compiler directives are set in setup.py (one place, with a debug switch).
-"""Compiled piece ``input_ids``: the per-request loop of vLLM's
+"""Compiled piece ``prepare_input_ids``: the per-request loop of vLLM's
 ``GPUModelRunner._prepare_input_ids`` (async scheduling).
 
 Two passes: plan (look every common request up, validate, compute its

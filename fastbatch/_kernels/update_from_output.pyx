@@ -1,5 +1,5 @@
 # Compiler directives are set in setup.py (one place, with a debug switch).
-"""Compiled piece ``scheduler_outputs``: the plain decodes of vLLM's
+"""Compiled piece ``update_from_output``: the plain decodes of vLLM's
 ``Scheduler.update_from_output``, taken in one call.
 
 The same decisions and effects as ``fastbatch._reference.update_from_output``

@@ -1,4 +1,4 @@
-"""Pure-Python twin of the compiled piece ``scheduler`` (``fastbatch._kernels.allocate_slots``).
+"""Pure-Python twin of the compiled piece ``allocate_slots`` (``fastbatch._kernels``).
 
 ``allocate_slots`` is vLLM's ``KVCacheManager.allocate_slots`` (same
 signature and defaults) answering its no-op case itself: it returns

@@ -1,4 +1,4 @@
-"""Pure-Python twin of the compiled piece ``output``: the test oracle.
+"""Pure-Python twin of the compiled piece ``async_output_token_ids``: the test oracle.
 
 Same signature, rules, errors and counters as
 ``fastbatch._kernels.async_output_token_ids``; written for reading, not for

@@ -1,4 +1,4 @@
-"""Pure-Python twin of the compiled piece ``bookkeeping``: the test oracle.
+"""Pure-Python twin of the compiled piece ``bookkeeping_sync``: the test oracle.
 
 Same signature, rules, errors and counters as
 ``fastbatch._kernels.bookkeeping_sync``; written for reading, not for speed.

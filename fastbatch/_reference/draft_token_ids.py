@@ -1,4 +1,4 @@
-"""Pure-Python twin of the compiled piece ``drafts``: the test oracle.
+"""Pure-Python twin of the compiled piece ``draft_token_ids``: the test oracle.
 
 Same signature, rules, errors and counters as
 ``fastbatch._kernels.draft_token_ids``; written for reading, not for speed.

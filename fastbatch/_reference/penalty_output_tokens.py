@@ -1,4 +1,4 @@
-"""Pure-Python twin of the compiled piece ``penalties``: the test oracle.
+"""Pure-Python twin of the compiled piece ``penalty_output_tokens``: the test oracle.
 
 Same signature, rules, errors and counters as
 ``fastbatch._kernels.penalty_output_tokens``; written for reading, not for

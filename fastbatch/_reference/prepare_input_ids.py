@@ -1,4 +1,4 @@
-"""Pure-Python twin of the compiled piece ``input_ids``: the test oracle.
+"""Pure-Python twin of the compiled piece ``prepare_input_ids``: the test oracle.
 
 Same signature, rules, errors and counters as
 ``fastbatch._kernels.prepare_input_ids``; written for reading, not for speed.

@@ -1,4 +1,4 @@
-"""Twin of the compiled piece ``scheduler_outputs`` (``fastbatch._kernels.update_from_output``).
+"""Twin of the compiled piece ``update_from_output`` (``fastbatch._kernels.update_from_output``).
 
 ``take_decode_outputs`` takes, out of one call of vLLM's
 ``Scheduler.update_from_output``, the requests that are plain decodes and do
