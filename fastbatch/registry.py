@@ -26,16 +26,17 @@ import functools
 import importlib
 import pkgutil
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
-
-from fastbatch import patches as _patches
 
 if TYPE_CHECKING:
     from fastbatch.patches._patch import Patch
 
+# Listed from the folder, without importing the package: the plugin, switched
+# off, imports nothing of fastbatch.patches.
 NAMES: tuple[str, ...] = tuple(sorted(
-    module.name for module in pkgutil.iter_modules(_patches.__path__)
+    module.name for module in pkgutil.iter_modules([str(Path(__file__).parent / "patches")])
     if not module.name.startswith("_")))
 
 # FASTBATCH_DISABLE names of fastbatch 0.1 that became the pieces' names;

@@ -44,7 +44,6 @@ the driver's environment to them.
 from __future__ import annotations
 
 import importlib.machinery
-import inspect
 import logging
 import math
 import os
@@ -53,7 +52,6 @@ import sys
 from typing import Any
 
 from fastbatch import model_runner, registry
-from fastbatch.patches._patch import Patch
 
 ENV_VAR = "FASTBATCH"
 DISABLE_VAR = "FASTBATCH_DISABLE"
@@ -157,7 +155,19 @@ def register() -> None:
                             os.environ[DISABLE_VAR])
             continue
         piece.apply(force=current == "force", verify=rate)
-    RUNNER_REPORT.apply(force=current == "force")
+    from fastbatch.patches import _runner_report
+
+    _runner_report.PATCH.apply(force=current == "force")
+
+
+def revert() -> None:
+    """Put vLLM's own code back everywhere fastbatch replaced it in this
+    process: every piece, and the runner report's hook."""
+    for piece in registry.pieces():
+        piece.revert()
+    from fastbatch.patches import _runner_report
+
+    _runner_report.PATCH.revert()
 
 
 # The model runner ----------------------------------------------------------
@@ -209,42 +219,6 @@ def runner_report(worker: Any) -> tuple[int, str]:
     if idle:
         line += f"; {', '.join(idle)} stay idle (they need async scheduling)"
     return logging.INFO, line
-
-
-def init_device_and_report(self: Any, *args: Any, **kwargs: Any) -> Any:
-    """vLLM's ``WorkerWrapperBase.init_device``, unchanged, then
-    ``runner_report`` logged once for the worker it built."""
-    global _runner_seen
-
-    result = RUNNER_REPORT.original()(self, *args, **kwargs)
-    try:
-        _runner_seen = model_runner.runner_kind(self)
-        level, line = runner_report(self)
-    except Exception as exc:  # a report must never break the worker
-        level, line = logging.WARNING, f"fastbatch: cannot tell the model runner ({exc})"
-    logger.log(level, line)
-    return result
-
-
-def _takes_the_worker_alone(method: Any, replacement: Any) -> str | None:
-    """The executors call ``init_device()`` with no argument but the wrapper;
-    the report passes every argument through, so that call must bind."""
-    try:
-        inspect.signature(method).bind(object())
-    except TypeError as exc:
-        return f"vLLM's init_device does not take the wrapper alone ({exc})"
-    return None
-
-
-# The seam of the runner report: ``WorkerWrapperBase.init_device``, through
-# which the uniproc, multiprocessing and Ray executors all initialise a worker
-# (the runner is built inside it).  Not a piece: it replaces no work.
-RUNNER_REPORT = Patch(
-    "vllm.v1.worker.worker_base:WorkerWrapperBase.init_device", init_device_and_report,
-    fingerprints={
-        "5e25fd87d47510926b062a634aff9acc23e61f7ab2d377784a46ed0327f9fe0b": "vLLM 0.33.0",
-    },
-    activation_check=_takes_the_worker_alone)
 
 
 def replay(path: str) -> str | None:

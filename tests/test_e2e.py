@@ -53,13 +53,13 @@ from pathlib import Path
 
 import pytest
 
-from fastbatch import vllm_plugin
+from fastbatch import registry
 from subprocesses import OUTSIDE_THE_CHECKOUT
 
 pytestmark = pytest.mark.e2e
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 # FASTBATCH_DISABLE names: every piece the plugin knows
-PATCH_NAMES = tuple(vllm_plugin.PATCHES)
+PATCH_NAMES = registry.NAMES
 WORKLOADS = {
     "mixed": [],
     "long": ["--settings", "penalties", "--num-prompts", "32", "--max-tokens", "448",
@@ -91,7 +91,7 @@ def assert_checked_without_divergence(worker, *pieces):
 # The pieces with a FASTBATCH_VERIFY shadow check: with verify on, the others
 # stay stock (a user who asks for every call to be checked gets no unchecked
 # piece).
-SHADOWED = ("output", "spec", "penalties")
+SHADOWED = ("async_output_token_ids", "async_spec_token_ids", "penalty_output_tokens")
 V1_LINE = "fastbatch: V1 model runner in use (CPUModelRunner, async scheduling on): "
 V1_ALL_ACT = V1_LINE + ", ".join(PATCH_NAMES) + " can act here"
 V1_SHADOWED_ACT = V1_LINE + ", ".join(SHADOWED) + " can act here"
@@ -205,33 +205,35 @@ def test_fastbatch_gives_stock_tokens_and_really_ran(generate):
 
     # The fast path ran every step and replaced real placeholders.
     stats = our_worker["stats"]
-    assert stats["calls"] > 50
-    assert stats["requests_updated"] > 100
-    assert stats["tokens_written"] == stats["requests_updated"]  # no spec decode
-    assert stats["syncs"] > 0
+    assert stats["async_output_token_ids"]["calls"] > 50
+    assert stats["async_output_token_ids"]["requests_updated"] > 100
+    output = stats["async_output_token_ids"]
+    assert output["tokens_written"] == output["requests_updated"]  # no spec decode
+    assert stats["async_output_token_ids"]["syncs"] > 0
     # _bookkeeping_sync's loop ran compiled: one placeholder per request and
     # step (async), at least one step per generated token.
-    assert stats["bookkeeping_calls"] > 50
-    assert stats["bookkeeping_tokens_added"] == stats["bookkeeping_requests_updated"]
-    assert stats["bookkeeping_requests_updated"] >= sum(map(len, ours["token_ids"]))
+    assert stats["bookkeeping_sync"]["calls"] > 50
+    bookkeeping = stats["bookkeeping_sync"]
+    assert bookkeeping["tokens_added"] == bookkeeping["requests_updated"]
+    assert bookkeeping["requests_updated"] >= sum(map(len, ours["token_ids"]))
     # The runner's input preparation went through fastbatch every step: the
     # previous rows, and the previous step's sampled ids put in place.
-    assert stats["prev_positions_calls"] > 50
-    assert stats["prev_positions_found"] > 100
-    assert stats["input_ids_calls"] > 50
-    assert stats["input_ids_common_requests"] > 100
-    assert stats["input_ids_spec_tokens"] == 0
+    assert stats["prev_positions"]["calls"] > 50
+    assert stats["prev_positions"]["found"] > 100
+    assert stats["prepare_input_ids"]["calls"] > 50
+    assert stats["prepare_input_ids"]["common_requests"] > 100
+    assert stats["prepare_input_ids"]["spec_tokens"] == 0
     # get_output's lists came from the kernel every step, one row per request.
-    assert stats["get_output_calls"] > 50
-    assert stats["get_output_rows"] > 100
-    assert stats["parse_output_calls"] == stats["draft_lists_calls"] == 0  # no spec
+    assert stats["get_output"]["calls"] > 50
+    assert stats["get_output"]["rows"] > 100
+    assert stats["parse_output"]["calls"] == stats["draft_token_ids"]["calls"] == 0  # no spec
     # The scheduler (same process here) answered decode allocations itself.
-    assert stats["scheduler_noop_allocations"] > 100
+    assert stats["allocate_slots"]["noop_allocations"] > 100
     # ...took the plain decodes of its step update itself, and did its
     # after-schedule and cached-request loops in one compiled call each.
-    assert stats["scheduler_fast_outputs"] > 100
-    assert stats["after_schedule_requests"] > 100
-    assert stats["cached_requests_requests"] > 100
+    assert stats["update_from_output"]["fast_outputs"] > 100
+    assert stats["after_schedule"]["requests"] > 100
+    assert stats["cached_requests"]["requests"] > 100
 
     # The output history mattered: penalties changed outputs, bad words held.
     changed = [label for label, ids, plain in zip(
@@ -254,8 +256,8 @@ def test_worker_processes_report_whether_fastbatch_is_installed(generate):
     # One line, from the worker process (the driver and EngineCore build no runner).
     (line,) = fastbatch_lines(with_workers, "model runner in use")
     assert line.endswith(V1_ALL_ACT)
-    assert worker["stats"]["requests_updated"] > 100
-    assert worker["stats"]["bookkeeping_requests_updated"] > 100
+    assert worker["stats"]["async_output_token_ids"]["requests_updated"] > 100
+    assert worker["stats"]["bookkeeping_sync"]["requests_updated"] > 100
     assert without["workers"][0]["installed"] is False
     assert without["workers"][0]["pid"] != without["driver_pid"]
     assert with_workers["token_ids"] == without["token_ids"] == stock_inproc["token_ids"]
@@ -267,7 +269,8 @@ def test_penalties_kernel_at_long_outputs(generate):
 
     (stock_worker,) = stock["workers"]
     (our_worker,) = ours["workers"]
-    assert_checked_without_divergence(our_worker, "output", "penalties")
+    assert_checked_without_divergence(our_worker, "async_output_token_ids",
+                                      "penalty_output_tokens")
     assert ours["reproducers"] == []
     assert fastbatch_lines(ours, "model runner in use")[0].endswith(V1_SHADOWED_ACT)
     assert stock_worker["async_scheduling"] is our_worker["async_scheduling"] is True
@@ -286,14 +289,14 @@ def test_penalties_kernel_at_long_outputs(generate):
     # The penalties tensor came from the kernel every step: one tensor per
     # sampling step (every request has a penalty, so every step needs one)...
     stats = our_worker["stats"]
-    assert stats["penalty_tensors"] >= max(lengths)
+    assert stats["penalty_output_tokens"]["tensors"] >= max(lengths)
     # ...holding every running request's output so far: a request that ends
     # with n tokens was in tensors of 0, 1, ..., n - 1 of its ids.
-    assert stats["penalty_tokens"] >= sum(n * (n - 1) // 2 for n in lengths)
+    assert stats["penalty_output_tokens"]["tokens"] >= sum(n * (n - 1) // 2 for n in lengths)
     # The async placeholders were replaced (one per request and step but its first).
-    assert stats["requests_updated"] >= sum(lengths) - 2 * len(lengths)
-    assert stats["spec_calls"] == 0
-    assert stock_worker["stats"]["penalty_tensors"] == 0  # stock: counters stay 0
+    assert stats["async_output_token_ids"]["requests_updated"] >= sum(lengths) - 2 * len(lengths)
+    assert stats["async_spec_token_ids"]["calls"] == 0
+    assert stock_worker["stats"]["penalty_output_tokens"]["tensors"] == 0  # stock: counters stay 0
 
 
 @pytest.mark.parametrize("name", PATCH_NAMES)
@@ -312,15 +315,17 @@ def test_disable_one_piece_leaves_it_stock_and_tokens_unchanged(generate, name):
 
 def test_disable_penalties_leaves_that_piece_stock(generate):
     stock = generate(fastbatch=False, workload="long")
-    partial = generate(fastbatch=True, workload="long", disable="penalties")
+    partial = generate(fastbatch=True, workload="long", disable="penalty_output_tokens")
 
     (worker,) = partial["workers"]
     assert worker["async_scheduling"] is True
     assert worker["installed"] is True
-    assert worker["patches"] == {name: name != "penalties" for name in PATCH_NAMES}
-    assert worker["stats"]["penalty_tensors"] == worker["stats"]["penalty_tokens"] == 0
+    assert worker["patches"] == {name: name != "penalty_output_tokens" for name in PATCH_NAMES}
+    penalties = worker["stats"]["penalty_output_tokens"]
+    assert penalties["tensors"] == penalties["tokens"] == 0
     assert worker["penalty_masking_skipped"] == []
-    assert worker["stats"]["requests_updated"] > 1000  # the output patch still ran
+    # the output patch still ran
+    assert worker["stats"]["async_output_token_ids"]["requests_updated"] > 1000
     assert partial["token_ids"] == stock["token_ids"]
 
 
@@ -340,28 +345,31 @@ def test_spec_decode_async_spec_tokens_replaced(generate):
 
     stats = our_worker["stats"]
     # vLLM swapped the draft placeholders for real drafts through fastbatch...
-    assert stats["spec_calls"] > 20
-    assert stats["spec_requests_updated"] > 100
+    assert stats["async_spec_token_ids"]["calls"] > 20
+    assert stats["async_spec_token_ids"]["requests_updated"] > 100
     # The drafts of the previous step were scattered into the input ids
     # through fastbatch's index rows.
-    assert stats["input_ids_calls"] > 20
-    assert stats["input_ids_spec_tokens"] > 100
+    assert stats["prepare_input_ids"]["calls"] > 20
+    assert stats["prepare_input_ids"]["spec_tokens"] > 100
     # ...and the output lists too: several tokens per request and step where
     # drafts were accepted, placeholders dropped where they were rejected.
-    assert stats["requests_updated"] > 100
-    assert stats["tokens_written"] > stats["requests_updated"]
-    assert stats["placeholders_dropped"] > 0
+    assert stats["async_output_token_ids"]["requests_updated"] > 100
+    output = stats["async_output_token_ids"]
+    assert output["tokens_written"] > output["requests_updated"]
+    assert stats["async_output_token_ids"]["placeholders_dropped"] > 0
     # _bookkeeping_sync's loop: one placeholder per request and step (async).
-    assert stats["bookkeeping_requests_updated"] > 100
-    assert stats["bookkeeping_tokens_added"] == stats["bookkeeping_requests_updated"]
+    assert stats["bookkeeping_sync"]["requests_updated"] > 100
+    bookkeeping = stats["bookkeeping_sync"]
+    assert bookkeeping["tokens_added"] == bookkeeping["requests_updated"]
     # The rejection sampler applied penalties through the kernel.
-    assert stats["penalty_tensors"] > 0 and stats["penalty_tokens"] > 0
+    penalties = stats["penalty_output_tokens"]
+    assert penalties["tensors"] > 0 and penalties["tokens"] > 0
     # The rejection sampler's rows (get_output -> parse_output) and the drafts
     # came to Python as lists through the kernels.
-    assert stats["parse_output_calls"] > 20
-    assert stats["parse_output_tokens"] > stats["parse_output_rows"]  # drafts accepted
-    assert stats["draft_lists_calls"] > 20
-    assert stats["draft_lists_rows"] > 100
+    assert stats["parse_output"]["calls"] > 20
+    assert stats["parse_output"]["tokens"] > stats["parse_output"]["rows"]  # drafts accepted
+    assert stats["draft_token_ids"]["calls"] > 20
+    assert stats["draft_token_ids"]["rows"] > 100
 
 
 def test_spec_decode_every_call_checked_without_divergence(generate):
@@ -371,7 +379,7 @@ def test_spec_decode_every_call_checked_without_divergence(generate):
     checked = generate(fastbatch=True, workload="spec", verify="1")
 
     (worker,) = checked["workers"]
-    assert_checked_without_divergence(worker, "output", "spec", "penalties")
+    assert_checked_without_divergence(worker, *SHADOWED)
     assert checked["reproducers"] == []
     assert checked["token_ids"] == stock["token_ids"]
 
@@ -396,18 +404,19 @@ def test_verify_catches_a_planted_bug_and_keeps_stock_tokens(generate, monkeypat
     (worker,) = planted["workers"]
     # the activation checks passed
     assert worker["patches"] == {name: name in SHADOWED for name in PATCH_NAMES}
-    assert worker["verify"]["divergences"] == {name: int(name == "output")
+    assert worker["verify"]["divergences"] == {name: int(name == "async_output_token_ids")
                                                for name in PATCH_NAMES}
     assert planted["token_ids"] == stock["token_ids"]
     (error,) = fastbatch_lines(planted, "diverged from vLLM")
-    assert "piece 'output'" in error and "vLLM's result was kept" in error
+    assert "piece 'async_output_token_ids'" in error and "vLLM's result was kept" in error
     # Every kernel call was checked, up to the divergence; then vLLM's code ran.
-    assert worker["verify"]["checked"]["output"] == worker["stats"]["calls"] > 0
+    assert (worker["verify"]["checked"]["async_output_token_ids"]
+            == worker["stats"]["async_output_token_ids"]["calls"] > 0)
 
     (path,) = planted["reproducers"]
     assert str(path) in error
     record = pickle.loads(path.read_bytes())
-    assert record["piece"] == "output" and record["vllm_version"] == "0.32.0"
+    assert record["piece"] == "async_output_token_ids" and record["vllm_version"] == "0.32.0"
     assert record["fastbatch_outcome"] != record["stock_outcome"]
     import fastbatch
     from fastbatch import vllm_plugin
@@ -423,7 +432,7 @@ def test_ray_workers_get_fastbatch_from_the_driver(generate):
         pytest.importorskip("ray")
     stock = generate(fastbatch=False)
     ours = generate(fastbatch=True, executor="ray")
-    partial = generate(fastbatch=True, executor="ray", disable="penalties")
+    partial = generate(fastbatch=True, executor="ray", disable="penalty_output_tokens")
 
     for run in (ours, partial):
         assert run["executor"] == "ray"
@@ -433,7 +442,7 @@ def test_ray_workers_get_fastbatch_from_the_driver(generate):
         assert worker["pid"] != run["driver_pid"]  # asked in the Ray actor's process
         assert worker["installed"] is True and worker["compiled"] is True
         assert worker["async_scheduling"] is True
-        assert worker["stats"]["requests_updated"] > 100
+        assert worker["stats"]["async_output_token_ids"]["requests_updated"] > 100
         assert run["bad_word_violations"] == []
 
     # Token for token: fastbatch over Ray == stock vLLM (same prompts and settings).
@@ -442,8 +451,10 @@ def test_ray_workers_get_fastbatch_from_the_driver(generate):
 
     (worker,) = ours["workers"]
     assert worker["patches"] == dict.fromkeys(PATCH_NAMES, True)
-    assert worker["stats"]["penalty_tensors"] > 50 and worker["stats"]["penalty_tokens"] > 0
+    penalties = worker["stats"]["penalty_output_tokens"]
+    assert penalties["tensors"] > 50 and penalties["tokens"] > 0
     # FASTBATCH_DISABLE travelled too: that piece stayed stock in the worker.
     (worker,) = partial["workers"]
-    assert worker["patches"] == {name: name != "penalties" for name in PATCH_NAMES}
-    assert worker["stats"]["penalty_tensors"] == worker["stats"]["penalty_tokens"] == 0
+    assert worker["patches"] == {name: name != "penalty_output_tokens" for name in PATCH_NAMES}
+    penalties = worker["stats"]["penalty_output_tokens"]
+    assert penalties["tensors"] == penalties["tokens"] == 0

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from fastbatch import model_runner, registry, vllm_plugin
+from fastbatch.patches import _runner_report
 
 # The pieces that replace the scheduler's code, which Model Runner V2 runs too,
 # and those with work only under async scheduling.
@@ -150,7 +151,7 @@ def stock(monkeypatch):
     for piece in registry.pieces():
         piece.revert()
     # register() wraps init_device (a Patch of its own); revert puts vLLM's back.
-    vllm_plugin.RUNNER_REPORT.revert()
+    _runner_report.PATCH.revert()
     assert WorkerWrapperBase.init_device is stock_init_device
 
 

@@ -20,6 +20,7 @@ from vllm.v1.worker.gpu_input_batch import InputBatch
 import fastbatch
 from batches import vllm_0_21_method
 from fastbatch import registry, vllm_plugin
+from fastbatch.patches import _runner_report
 from fastbatch.patches import async_output_token_ids as patch
 from fastbatch.patches import async_spec_token_ids as spec_patch
 from fastbatch.patches import penalty_output_tokens as penalty_patch
@@ -66,7 +67,7 @@ def stock_vllm(monkeypatch):
     yield
     for piece in PIECES.values():
         piece.revert()  # monkeypatch then undoes the test's own replacements
-    vllm_plugin.RUNNER_REPORT.revert()
+    _runner_report.PATCH.revert()
 
 
 @pytest.mark.parametrize("value", [None, "", "0", "false", "No", "off"])
@@ -103,7 +104,7 @@ def test_switch_on_installs_once(monkeypatch, logs, value):
     # one line per patch, in the registry's order (after_schedule installs
     # AsyncScheduler's method first, the penalties' masking comes after the
     # conversion), then the runner report's hook
-    targets = [patch_.target for patch_ in ALL_PATCHES] + [vllm_plugin.RUNNER_REPORT.target]
+    targets = [patch_.target for patch_ in ALL_PATCHES] + [_runner_report.PATCH.target]
     assert len(infos) == len(targets)
     for info, target in zip(infos, targets, strict=True):
         for expected in (fastbatch.__version__, "vLLM 0.33.0", target):

@@ -14,14 +14,10 @@ from vllm.v1.sample.ops import penalties
 from vllm.v1.worker.gpu_input_batch import InputBatch
 
 import fastbatch
-from fastbatch import vllm_plugin
-from fastbatch.patches import async_output_token_ids as patch
-from fastbatch.patches import async_spec_token_ids as spec_patch
-from fastbatch.patches import penalty_output_tokens as penalty_patch
+from fastbatch import registry, vllm_plugin
 from subprocesses import OUTSIDE_THE_CHECKOUT
 
 pytestmark = pytest.mark.vllm
-PATCHES = (patch, spec_patch, penalty_patch)
 
 # Run first in a subprocess: makes every compiled module of fastbatch
 # unimportable, as with a wheel built for another interpreter.
@@ -56,13 +52,13 @@ def warnings_logged(monkeypatch):
     handler, level = _Records(), logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
-    for module in PATCHES:
-        module.revert()
+    for piece in registry.pieces():
+        piece.revert()
     yield lambda: [r.getMessage() for r in handler.records if r.levelno == logging.WARNING]
     logger.removeHandler(handler)
     logger.setLevel(level)
-    for module in PATCHES:
-        module.revert()
+    for piece in registry.pieces():
+        piece.revert()
 
 
 def test_no_compiled_kernel_leaves_vllm_stock_with_one_warning(monkeypatch, warnings_logged):
