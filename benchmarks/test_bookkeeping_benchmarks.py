@@ -33,7 +33,7 @@ from fastbatch.patches import bookkeeping_sync as patch
 ROUND_BUDGET_S = 0.4  # per benchmark: enough rounds for a steady median
 MAX_MODEL_LEN = 512
 PROMPT_LEN, OUTPUT_LEN = 64, 100
-STOCK_METHOD = patch.original() or GPUModelRunner._bookkeeping_sync
+STOCK_METHOD = patch.PATCH.original() or GPUModelRunner._bookkeeping_sync
 
 
 @dataclass(frozen=True)

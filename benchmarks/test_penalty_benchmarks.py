@@ -29,10 +29,11 @@ from penalty_states import (
     VARIANTS,
     VOCAB_SIZE,
     output_token_rows,
-    patch,
     penalties,
     stock,
 )
+
+from fastbatch import registry
 
 TIMED = "fastbatch"
 ROUND_BUDGET_S = 0.4  # per variant and cell: enough rounds for a steady median
@@ -67,9 +68,10 @@ def one_torch_thread():
 def piece(no_pinned_memory):
     """The penalties piece applied (the timed variant runs the installed path),
     reverted after; the other variants call vLLM's functions directly."""
-    assert patch.apply(), "the penalties piece refused to install"
+    penalty_piece = registry.piece("penalty_output_tokens")
+    assert penalty_piece.apply(), "the penalties piece refused to install"
     yield
-    patch.revert()
+    penalty_piece.revert()
     assert penalties._convert_to_tensors is STOCK_CONVERT
 
 

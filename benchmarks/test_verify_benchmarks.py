@@ -19,6 +19,7 @@ from spec_states import STOCK_METHOD as STOCK_SPEC_METHOD
 from spec_states import SpecCell, SpecState
 from states import STOCK_METHOD, Cell, State
 
+from fastbatch import _verify
 from fastbatch.patches import async_output_token_ids as output_patch
 from fastbatch.patches import async_spec_token_ids as spec_patch
 from fastbatch.patches import penalty_output_tokens as penalty_patch
@@ -52,7 +53,7 @@ def _variant(piece, variant):
         return stock
     if variant == "fastbatch":
         return patch.replacement
-    return patch.checked_replacement(stock, 1.0 if variant == "verify" else SAMPLED_RATE)
+    return _verify.checked_replacement(patch, stock, 1.0 if variant == "verify" else SAMPLED_RATE)
 
 
 _states: dict = {}
