@@ -3,22 +3,24 @@
 A ``Batch`` holds exactly what vLLM's ``InputBatch.update_async_output_token_ids``
 reads: request ids (``None`` for holes left by ``remove_request``), the map
 from request id to row of the previous step's sampled ids, the per-request
-output lists, and the 2-D sampled ids.
+output lists, and the 2-D sampled ids.  ``real_input_batch`` builds one as a
+real vLLM ``InputBatch`` (for the ``vllm``-marked tests; it imports vLLM when
+called, so that this module imports neither vLLM nor torch).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
+import os
 from typing import Any
 
 import numpy as np
 from hypothesis import strategies as st
 
-try:  # torch is there in the vLLM environments only
-    import torch
-except ImportError:  # pragma: no cover - depends on the environment
-    torch = None
+# Batches may hold torch tensors where torch is installed (imported on use).
+TORCH = importlib.util.find_spec("torch") is not None
 
 # -1 drawn often, so that trailing runs, padded rows and -1 in the middle of a
 # list all show up; 2**31 - 1 is the largest id int32 rows can hold.
@@ -90,6 +92,8 @@ def sampled_as(values: np.ndarray, layout: str, use_torch: bool = False) -> Any:
         raise ValueError(layout)
     assert np.array_equal(array, values)
     if use_torch:
+        import torch
+
         if layout == "reversed":  # torch has no negative strides
             array = np.asfortranarray(values)
         tensor = torch.from_numpy(array)  # keeps the strides
@@ -146,9 +150,64 @@ def batches(draw, max_reqs: int = 10, max_width: int = 6, max_prefix: int = 8,
     values = [draw(sampled_rows(width)) for _ in range(num_rows)]
     sampled = np.array(values, dtype=dtype).reshape(num_rows, width)
     layout = draw(st.sampled_from(LAYOUTS))
-    use_torch = torch_allowed and torch is not None and draw(st.booleans())
+    use_torch = torch_allowed and TORCH and draw(st.booleans())
     return Batch(req_ids, prev_req_id_to_index, output_token_ids, sampled,
                  layout, use_torch)
+
+
+# Batches a real InputBatch can hold (ids fit its int32 tensor; no torch
+# sampled ids: real_input_batch makes its own tensor).
+VLLM_MAX_REQS = 10
+vllm_batches = batches(max_reqs=VLLM_MAX_REQS, torch_allowed=False,
+                       output_items=INT32_OUTPUT_ITEMS)
+
+
+def real_input_batch(batch: Batch) -> tuple[Any, dict[str, Any]]:
+    """A real vLLM InputBatch holding ``batch``, and its CachedRequestStates.
+
+    Built with ``add_request`` for every request and ``remove_request`` for
+    the holes, so the request ids and the output lists (shared with each
+    ``CachedRequestState`` and the sampling metadata) are vLLM's own."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM is imported
+    import torch
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+    input_batch = InputBatch(
+        max_num_reqs=VLLM_MAX_REQS,
+        max_model_len=64,
+        max_num_batched_tokens=64,
+        device=torch.device("cpu"),
+        vocab_size=2**31 - 1,
+        block_sizes=[16],
+        max_num_blocks_per_req=[4],
+        # Makes vLLM keep output_token_ids in its sampling metadata, as
+        # penalties, bad words or a thinking budget would.
+        logitsprocs_need_output_token_ids=True,
+    )
+    states = {}
+    pairs = zip(batch.req_ids, batch.output_token_ids, strict=True)
+    for index, (req_id, output) in enumerate(pairs):
+        state = CachedRequestState(
+            req_id=req_id if req_id is not None else f"removed-{index}",
+            prompt_token_ids=[1, 2, 3],
+            mm_features=[],
+            sampling_params=SamplingParams(temperature=0.0),
+            generator=None,
+            block_ids=([],),
+            num_computed_tokens=3,
+            output_token_ids=list(output) if output is not None else [5],
+        )
+        states[state.req_id] = state
+        assert input_batch.add_request(state) == index
+    input_batch.refresh_metadata()
+    for index, req_id in enumerate(batch.req_ids):
+        if req_id is None:
+            input_batch.remove_request(f"removed-{index}")  # leaves a hole
+    input_batch.prev_req_id_to_index = dict(batch.prev_req_id_to_index)
+    input_batch.sampled_token_ids_cpu = torch.from_numpy(batch.sampled.copy())
+    input_batch.async_copy_ready_event = CountingEvent()
+    return input_batch, states
 
 
 def vllm_0_33_loop(req_ids, prev_req_id_to_index, output_token_ids,

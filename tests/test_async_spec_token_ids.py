@@ -1,19 +1,32 @@
-"""The spec-token update: compiled == reference == vLLM 0.33's loop; bad input; leaks.
+"""async_spec_token_ids: ``InputBatch.update_async_spec_token_ids``.
 
-No vLLM needed: the oracle is ``token_lists.vllm_0_33_spec_loop``, vLLM's loop
-transcribed; ``test_vllm_differential.py`` repeats this on the real class.
+Compiled kernel == pure-Python twin == vLLM 0.33's loop (no vLLM needed: the
+oracle is ``token_lists.vllm_0_33_spec_loop``, vLLM's loop transcribed); the
+same against the REAL vLLM 0.33.0 method (``vllm``-marked: on real
+``InputBatch``es, ``token_lists.real_spec_batch``, and on stand-ins holding
+shared and ``None`` lists), the kernel and the patched method; bad input; leaks.
+
+vLLM is imported only inside the ``vllm``-marked tests, so that the others
+run where vLLM is not installed.
 """
 
 import gc
+import os
+from types import SimpleNamespace
 
 import pytest
-from hypothesis import given, note
+from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import fastbatch
-from fastbatch import _reference
+from batches import VLLM_MAX_REQS
+from fastbatch import _reference, registry
 from leaks import assert_no_leak
-from token_lists import SpecBatch, spec_batches, vllm_0_33_spec_loop
+from token_lists import SpecBatch, real_spec_batch, spec_batches, vllm_0_33_spec_loop
+
+NAME = "async_spec_token_ids"
+PIECE = registry.piece(NAME)
+EXAMPLES = int(os.environ.get("FASTBATCH_VLLM_EXAMPLES", 1000))
 
 
 def _run(update, batch: SpecBatch) -> int:
@@ -55,8 +68,8 @@ def test_compiled_and_reference_agree_on_results_and_stats(batch):
         stats.append(module.stats())
     assert results[0] == results[1]
     assert stats[0] == stats[1]
-    assert stats[0]["spec_calls"] == 1
-    assert stats[0]["spec_requests_updated"] == results[0][0]
+    assert stats[0][NAME]["calls"] == 1
+    assert stats[0][NAME]["requests_updated"] == results[0][0]
 
 
 def test_worked_example(implementation):
@@ -114,6 +127,69 @@ def test_item_whose_release_runs_python(implementation):
     gc.collect()
     assert spec == [[1, 2], [3]]
     assert len(seen) == 1
+
+
+# --- against the real vLLM 0.33.0 method --------------------------------------
+
+@pytest.fixture(scope="module")
+def stock_spec_method():
+    """vLLM's own ``update_async_spec_token_ids``, whatever is installed now."""
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    method = PIECE.main.original() or InputBatch.update_async_spec_token_ids
+    assert not getattr(method, "__fastbatch__", False)
+    return method
+
+
+@pytest.mark.vllm
+@settings(max_examples=EXAMPLES)
+@given(batch=spec_batches(max_reqs=VLLM_MAX_REQS))
+def test_spec_update_matches_real_input_batch(stock_spec_method, implementation, batch):
+    note(repr(batch))
+    stock, ours = real_spec_batch(batch), real_spec_batch(batch)
+    stock_drafts, our_drafts = batch.clone().draft_token_ids, batch.clone().draft_token_ids
+    stock_spec_method(stock, stock_drafts)
+    if our_drafts and ours.prev_req_id_to_index:  # the method's early returns
+        implementation.update_async_spec_token_ids(
+            ours.req_ids, ours.prev_req_id_to_index, ours.sampling_metadata.spec_token_ids,
+            our_drafts)
+    assert ours.spec_token_ids == stock.spec_token_ids
+    assert our_drafts == stock_drafts
+
+
+@pytest.mark.vllm
+@settings(max_examples=EXAMPLES)
+@given(batch=spec_batches())
+def test_spec_kernel_matches_vllm_method_with_shared_lists(stock_spec_method,
+                                                          implementation, batch):
+    """vLLM's own method, run on a stand-in holding shared and ``None`` lists."""
+    note(repr(batch))
+    stock, ours = batch.clone(), batch.clone()
+    stock_spec_method(SimpleNamespace(
+        req_ids=stock.req_ids, prev_req_id_to_index=stock.prev_req_id_to_index,
+        sampling_metadata=SimpleNamespace(spec_token_ids=stock.spec_token_ids)),
+        stock.draft_token_ids)
+    if ours.draft_token_ids and ours.prev_req_id_to_index:
+        implementation.update_async_spec_token_ids(*vars(ours).values())
+    assert ours.lists() == stock.lists()
+
+
+@pytest.mark.vllm
+@settings(max_examples=EXAMPLES // 4)
+@given(batch=spec_batches(max_reqs=VLLM_MAX_REQS))
+def test_patched_spec_method_matches_real_input_batch(stock_spec_method, batch):
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    stock, ours = real_spec_batch(batch), real_spec_batch(batch)
+    stock_drafts, our_drafts = batch.clone().draft_token_ids, batch.clone().draft_token_ids
+    stock_spec_method(stock, stock_drafts)
+    assert PIECE.apply()
+    try:
+        InputBatch.update_async_spec_token_ids(ours, our_drafts)
+    finally:
+        PIECE.revert()
+    assert ours.spec_token_ids == stock.spec_token_ids
+    assert our_drafts == stock_drafts
 
 
 # --- bad input: a clear exception, and nothing changed ----------------------

@@ -1,9 +1,22 @@
-"""The previous-row column: compiled == reference == vLLM 0.33's loop; bad input; leaks.
+"""prev_positions: ``GPUModelRunner._compute_prev_positions``.
 
-No vLLM needed: the oracle is ``vllm_loop``, the loop of vLLM's
-``GPUModelRunner._compute_prev_positions`` transcribed;
-``test_vllm_prev_positions.py`` repeats this on the real method.
+* compiled kernel == pure-Python twin == vLLM 0.33's loop (no vLLM needed: the
+  oracle is ``vllm_loop``, the method's loop transcribed); bad input; leaks;
+* against the REAL vLLM 0.33.0 method (``vllm``-marked): the real unbound
+  method runs on a runner stand-in (the attributes it reads, with vLLM's own
+  ``CpuGpuBuffer``), the patched one on an identical copy; the whole buffer
+  must end up the same;
+* the plugin side: the guard accepts this vLLM and refuses a changed method,
+  the activation check refuses a wrong kernel,
+  ``FASTBATCH_DISABLE=prev_positions`` leaves it stock.
+
+vLLM is imported only inside the ``vllm``-marked tests, so that the others
+run where vLLM is not installed.
 """
+
+import functools
+import logging
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,9 +24,12 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 import fastbatch
-from fastbatch import _reference
+from fastbatch import _reference, registry, vllm_plugin
+from fastbatch.patches import prev_positions as patch
 from leaks import assert_no_leak
 
+NAME = "prev_positions"
+PIECE = registry.piece(NAME)
 NAMES = [f"r{i}" for i in range(12)]
 
 
@@ -59,11 +75,9 @@ def test_compiled_and_reference_agree_on_results_and_stats(case):
         column = column.copy()
         results.append((module.compute_prev_positions(req_ids, prev, column, num_reqs),
                         column.tolist()))
-        stats.append({key: value for key, value in module.stats().items()
-                      if key.startswith("prev_positions")})
+        stats.append(module.stats()[NAME])
     assert results[0] == results[1]
-    assert stats[0] == stats[1] == {"prev_positions_calls": 1,
-                                    "prev_positions_found": results[0][0]}
+    assert stats[0] == stats[1] == {"calls": 1, "found": results[0][0]}
 
 
 def test_worked_example(implementation):
@@ -158,3 +172,187 @@ def test_no_leak_on_success_or_error():
         step()
     assert_no_leak(step, [req_ids, prev, bad_prev, column, *req_ids[:64]], 2000)
     assert column[:3].tolist() == [300_000, 300_001, 300_002]
+
+
+# --- against the real vLLM 0.33.0 method ---------------------------------------
+
+RUNNER_NAMES = [f"req-{i}" for i in range(12)]
+
+
+@functools.cache
+def vllm_method():
+    """vLLM's own ``_compute_prev_positions`` (the first one seen, checked)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    method = PIECE.main.original() or GPUModelRunner._compute_prev_positions
+    assert not getattr(method, "__fastbatch__", False)
+    return method
+
+
+@pytest.fixture
+def stock_vllm():
+    """The test starts and ends with vLLM's own method in place."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    PIECE.revert()
+    assert GPUModelRunner._compute_prev_positions is vllm_method()
+    yield
+    PIECE.revert()
+
+
+def _runner(req_ids, prev_req_id_to_index, max_num_reqs):
+    import torch
+    from vllm.v1.utils import CpuGpuBuffer
+
+    positions = CpuGpuBuffer(max_num_reqs, dtype=torch.int64, device=torch.device("cpu"),
+                             pin_memory=False)
+    positions.np[:] = 55  # stale values from an earlier step
+    positions.gpu.fill_(-7)
+    return SimpleNamespace(
+        input_batch=SimpleNamespace(req_ids=list(req_ids),
+                                    prev_req_id_to_index=dict(prev_req_id_to_index)),
+        prev_positions=positions)
+
+
+def _state(runner):
+    return (runner.prev_positions.cpu.tolist(), runner.prev_positions.np.tolist(),
+            runner.prev_positions.gpu.tolist(), sorted(vars(runner)),
+            runner.input_batch.req_ids, runner.input_batch.prev_req_id_to_index)
+
+
+@st.composite
+def steps(draw):
+    """A step after condense(): kept, moved, new and finished requests; the
+    first step (empty map); num_reqs below the number of ids."""
+    num_prev = draw(st.integers(0, 10))
+    prev_ids = draw(st.permutations(RUNNER_NAMES))[:num_prev]
+    prev_map = {req_id: row for row, req_id in enumerate(prev_ids)}
+    kept = draw(st.lists(st.sampled_from(prev_ids), unique=True)) if prev_ids else []
+    new = [f"new-{i}" for i in range(draw(st.integers(0, 4)))]
+    req_ids = draw(st.permutations(kept + new))
+    num_reqs = draw(st.integers(max(0, len(req_ids) - 2), len(req_ids)))
+    return req_ids, prev_map, num_reqs
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+@given(step=steps())
+def test_matches_the_real_method(step):
+    note(repr(step))
+    req_ids, prev_map, num_reqs = step
+    stock, ours = _runner(req_ids, prev_map, 16), _runner(req_ids, prev_map, 16)
+    vllm_method()(stock, num_reqs)
+    patch._compute_prev_positions(ours, num_reqs)
+    assert _state(ours) == _state(stock)
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+def test_worked_example_on_the_real_method():
+    stock = _runner(["kept", "moved", "new"], {"kept": 0, "moved": 2, "gone": 1}, 5)
+    ours = _runner(["kept", "moved", "new"], {"kept": 0, "moved": 2, "gone": 1}, 5)
+    vllm_method()(stock, 3)
+    patch._compute_prev_positions(ours, 3)
+    assert _state(ours) == _state(stock)
+    assert ours.prev_positions.np.tolist() == [0, 2, -1, 55, 55]
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+def test_a_bad_value_raises_as_stock_does_but_writes_nothing():
+    stock = _runner(["a", "b"], {"a": 1, "b": "x"}, 4)
+    ours = _runner(["a", "b"], {"a": 1, "b": "x"}, 4)
+    with pytest.raises((TypeError, ValueError)):
+        vllm_method()(stock, 2)
+    with pytest.raises(TypeError, match="'b'"):
+        patch._compute_prev_positions(ours, 2)
+    assert stock.prev_positions.np.tolist()[:2] == [1, 55]  # stock: half written
+    assert ours.prev_positions.np.tolist()[:2] == [55, 55]
+
+
+# --- the plugin: the guard, the activation check, FASTBATCH_DISABLE -------------
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+def test_guard_accepts_the_installed_vllm():
+    import vllm
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert PIECE.main.check_target(vllm.__version__, vllm_method()) is None
+    assert PIECE.apply() is True
+    assert GPUModelRunner._compute_prev_positions is patch._compute_prev_positions
+    assert PIECE.main.original() is vllm_method()
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+def test_cpu_runner_inherits_the_method():
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    assert "_compute_prev_positions" not in vars(CPUModelRunner)
+    PIECE.apply()
+    assert CPUModelRunner._compute_prev_positions is patch._compute_prev_positions
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+def test_guard_refuses_a_changed_method(monkeypatch, logs):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def changed(self, num_reqs):
+        prev = self.input_batch.prev_req_id_to_index
+        for i, req_id in enumerate(self.input_batch.req_ids[:num_reqs]):
+            self.prev_positions.np[i] = prev.get(req_id, -1)
+
+    monkeypatch.setattr(GPUModelRunner, "_compute_prev_positions", changed)
+    assert PIECE.apply() is False
+    assert GPUModelRunner._compute_prev_positions is changed
+    (warning,) = logs.at(logging.WARNING)
+    assert PIECE.main.target in warning and "not a verified variant" in warning
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+@pytest.mark.parametrize("broken", ["wrong result", "raises"])
+def test_activation_check_refuses_a_wrong_kernel(monkeypatch, logs, broken):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def wrong(req_ids, prev, column, num_reqs):
+        if broken == "raises":
+            raise ValueError("boom")
+        for i, req_id in enumerate(req_ids[:num_reqs]):
+            column[i] = prev.get(req_id, 0)  # 0 instead of -1 for new requests
+
+    monkeypatch.setattr(fastbatch, "compute_prev_positions", wrong)
+    assert PIECE.apply() is False
+    assert GPUModelRunner._compute_prev_positions is vllm_method()
+    (error,) = logs.at(logging.ERROR)
+    assert "activation check failed" in error and PIECE.main.target in error
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+def test_disable_leaves_it_stock(monkeypatch, logs):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    monkeypatch.setenv("FASTBATCH", "1")
+    monkeypatch.setenv("FASTBATCH_DISABLE", NAME)
+    vllm_plugin.register()
+    try:
+        assert GPUModelRunner._compute_prev_positions is vllm_method()
+        assert vllm_plugin.status()["patches"][NAME] is False
+    finally:
+        vllm_plugin.revert()
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+def test_patched_method_counts_its_work():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    PIECE.apply()
+    fastbatch.reset_stats()
+    runner = _runner(["a", "b", "c"], {"a": 1, "c": 0}, 4)
+    GPUModelRunner._compute_prev_positions(runner, 3)
+    stats = fastbatch.stats()
+    assert (stats[NAME]["calls"], stats[NAME]["found"]) == (1, 2)

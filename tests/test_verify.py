@@ -16,17 +16,18 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, note, settings
-from test_vllm_differential import _real_input_batch, _real_spec_batch, vllm_batches
 from vllm.v1.sample.ops import penalties
 from vllm.v1.worker.gpu_input_batch import InputBatch
 
 import fastbatch
-from batches import Batch
+from batches import Batch, vllm_batches
+from batches import real_input_batch as _real_input_batch
 from fastbatch import _verify, registry, vllm_plugin
 from fastbatch.patches import async_output_token_ids as patch
 from fastbatch.patches import async_spec_token_ids as spec_patch
 from fastbatch.patches import penalty_output_tokens as penalty_patch
 from token_lists import SpecBatch, spec_batches
+from token_lists import real_spec_batch as _real_spec_batch
 
 pytestmark = pytest.mark.vllm
 # Every piece (by FASTBATCH_DISABLE name), and those with a shadow check: with
@@ -173,7 +174,7 @@ def test_output_divergence_keeps_vllm_result_in_the_same_lists(verify, monkeypat
 
     # The reproducer replays the divergence, and no longer once the bug is gone.
     (path,) = folder.iterdir()
-    assert str(path) in error and path.name.startswith(f"output-{os.getpid()}-")
+    assert str(path) in error and path.name.startswith(f"async_output_token_ids-{os.getpid()}-")
     record = pickle.loads(path.read_bytes())
     assert record["piece"] == "async_output_token_ids" and record["vllm_version"] == "0.33.0"
     assert record["fastbatch_outcome"] != record["stock_outcome"]
@@ -299,7 +300,7 @@ def test_spec_divergence_keeps_vllm_result_in_the_same_lists(verify, monkeypatch
     assert vllm_plugin.status()["verify"]["divergences"] == {
         name: int(name == "async_spec_token_ids") for name in PIECES}
     (error,) = logs.at(logging.ERROR)
-    assert "'spec'" in error
+    assert "'async_spec_token_ids'" in error
 
 
 @settings(max_examples=int(os.environ.get("FASTBATCH_VLLM_EXAMPLES", 1000)) // 4)
@@ -337,7 +338,7 @@ def test_penalties_divergence_returns_vllm_tensor(verify, monkeypatch, logs):
     assert status["checked"]["penalty_output_tokens"] == 2
     assert status["divergences"]["penalty_output_tokens"] == 1
     (error,) = logs.at(logging.ERROR)
-    assert "'penalties'" in error and "at (0, 0) fastbatch gave 1, vLLM 0" in error
+    assert "'penalty_output_tokens'" in error and "at (0, 0) fastbatch gave 1, vLLM 0" in error
 
 
 def test_sampled_rate_checks_some_calls(verify):

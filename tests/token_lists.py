@@ -3,7 +3,9 @@
 ``spec_batches`` draws what vLLM's ``InputBatch.update_async_spec_token_ids``
 reads, with the aliasing its loop can meet (two requests mapped to one draft
 row, one list shared by two requests, a spec list that is also a draft row);
-``vllm_0_33_spec_loop`` is that method's loop.  ``penalty_rows`` draws the
+``vllm_0_33_spec_loop`` is that method's loop, and ``real_spec_batch`` builds
+one as a real vLLM ``InputBatch`` (importing vLLM when called, for the
+``vllm``-marked tests).  ``penalty_rows`` draws the
 output lists the penalties turn into a tensor; ``vllm_0_33_penalty_array``
 is stock's computation of it.
 """
@@ -16,7 +18,7 @@ import dataclasses
 import numpy as np
 from hypothesis import strategies as st
 
-from batches import Token
+from batches import Batch, Token, real_input_batch
 
 # Draft rows hold whatever vLLM put there (ints from tolist()); the loop only
 # moves them, so odd objects are copied as they are.
@@ -95,6 +97,25 @@ def vllm_0_33_spec_loop(req_ids, prev_req_id_to_index, spec_token_ids,
                     spec_ids.extend(draft_ids)
                     updated += 1
     return updated
+
+
+def real_spec_batch(batch: SpecBatch):
+    """A real InputBatch with ``batch``'s requests; each spec list filled by
+    vLLM's own ``update_req_spec_token_ids`` with as many placeholders as
+    ``batch`` has (a real batch has no shared or ``None`` spec lists)."""
+    num_reqs = len(batch.req_ids)
+    outputs = Batch(batch.req_ids, {}, [None if r is None else [1] for r in batch.req_ids],
+                    sampled=np.zeros((0, 0), dtype=np.int64))
+    input_batch, states = real_input_batch(outputs)
+    scheduled = {req_id: [-1] * len(spec or ())
+                 for req_id, spec in zip(batch.req_ids, batch.spec_token_ids, strict=False)
+                 if req_id is not None}
+    for req_id in scheduled:
+        input_batch.update_req_spec_token_ids(states[req_id], scheduled)
+    input_batch.prev_req_id_to_index = dict(batch.prev_req_id_to_index)
+    assert input_batch.sampling_metadata.spec_token_ids is input_batch.spec_token_ids
+    assert len(input_batch.req_ids) == num_reqs
+    return input_batch
 
 
 # Output lists as the penalties see them: ids, trailing -1 placeholders, and
