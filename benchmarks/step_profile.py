@@ -127,10 +127,16 @@ def summarise_variant(reports: list[dict]) -> dict:
                        "calls_per_step": None if calls is None else statistics.median(
                            run[label]["calls"] for run in per_run)}
     tokens_per_s = [report["tokens_per_s"] for report in reports]
+    tokens_per_cpu_s = [report["output_tokens"] / report["generate_cpu_s"] for report in reports
+                        if report.get("generate_cpu_s")]
     return {
         "tokens_per_s": statistics.median(tokens_per_s),
         "tokens_per_s_min": min(tokens_per_s), "tokens_per_s_max": max(tokens_per_s),
         "tokens_per_s_runs": tokens_per_s,
+        # output tokens per second of the process's CPU time (all its threads)
+        "tokens_per_cpu_s": statistics.median(tokens_per_cpu_s) if tokens_per_cpu_s else None,
+        "tokens_per_cpu_s_runs": tokens_per_cpu_s,
+        "clock": reports[0]["profile"].get("clock", "perf_counter"),
         "steps": statistics.median(report["profile"]["timers"][STEP]["calls"]
                                    for report in reports),
         "output_tokens": reports[0]["output_tokens"],
@@ -266,9 +272,11 @@ def markdown_summary(results: list[dict]) -> list[str]:
     return lines
 
 
-def measure(configs: list[tuple[str, int, int]], runs_each: int, coarse: bool) -> list[dict]:
+def measure(configs: list[tuple[str, int, int]], runs_each: int, coarse: bool,
+            cpu_time: bool = False) -> list[dict]:
     """For each (workload, concurrency, max_tokens): ``runs_each`` runs each
-    way, alternating stock / fastbatch, each a fresh process on the tiny model;
+    way, alternating stock / fastbatch, each a fresh process on the tiny model
+    (``cpu_time``: timers on the thread's CPU time, not wall time);
     ``summarise``'s result (it exits if outputs differ)."""
     total = len(configs) * runs_each * 2
     results = []
@@ -279,6 +287,7 @@ def measure(configs: list[tuple[str, int, int]], runs_each: int, coarse: bool) -
             runs: dict[str, list[dict]] = {"stock": [], "fastbatch": []}
             arguments = run_arguments(WORKLOADS[name], concurrency, tokens, model)
             arguments += ["--coarse"] if coarse else []
+            arguments += ["--cpu-time"] if cpu_time else []
             for _ in range(runs_each):
                 for variant in runs:
                     done += 1
@@ -306,6 +315,10 @@ def main() -> None:
                         help="no timers on the functions called once per request "
                              "(function_timers.PER_REQUEST_FUNCTIONS): the scheduler's rows "
                              "without their overhead")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="timers read the engine thread's CPU time (time.thread_time), "
+                             "not wall time: waiting for a core on a busy machine is not "
+                             "counted")
     args = parser.parse_args()
     if args.max_tokens is None:
         max_tokens = [128 if c <= 256 else 64 for c in args.concurrency]
@@ -319,11 +332,12 @@ def main() -> None:
 
     configs = [(name, concurrency, tokens) for concurrency, tokens
                in zip(args.concurrency, max_tokens, strict=True) for name in args.workloads]
-    results = measure(configs, args.runs, args.coarse)
+    results = measure(configs, args.runs, args.coarse, args.cpu_time)
 
     settings = {"workloads": args.workloads, "concurrency": args.concurrency,
                 "max_tokens": max_tokens, "runs": args.runs,
-                "num_speculative_tokens": NUM_SPECULATIVE_TOKENS, "coarse": args.coarse}
+                "num_speculative_tokens": NUM_SPECULATIVE_TOKENS, "coarse": args.coarse,
+                "cpu_time": args.cpu_time}
     timed = {label: where for label, where in {**STEP_FUNCTIONS, **INSTANCE_STEP_FUNCTIONS}.items()
              if not (args.coarse and label in PER_REQUEST_FUNCTIONS)}
     (args.out / "step_profile.json").write_text(json.dumps(
@@ -334,8 +348,10 @@ def main() -> None:
              "Llama, OMP_NUM_THREADS=1. Per engine step (one call of EngineCore's step "
              "function); share: of the engine step. Output tokens/s are of the timed "
              "generate, timers on"
-             + (" (--coarse: none on the functions called once per request)."
-                if args.coarse else "."), ""]
+             + (" (--coarse: none on the functions called once per request)"
+                if args.coarse else "")
+             + ("; times are the engine thread's CPU time (--cpu-time)." if args.cpu_time
+                else "."), ""]
     for result in results:
         lines += markdown_config(result)
     lines += markdown_summary(results)

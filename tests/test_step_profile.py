@@ -6,9 +6,9 @@ spec-decode workload with a repetition penalty (the one that reaches the most
 functions: the rejection sampler, penalties, the draft model, the spec-token
 update), 8 requests x 8 tokens.  The numbers are not checked, only that every
 function of the table exists in this vLLM, that the step's functions were
-timed, and that the outputs were identical.  The demonstration runs its three
-workloads (greedy, repetition penalty, logprobs) once each way, 8 requests x 16
-tokens, and its JSON is checked.
+timed, and that the outputs were identical.  The demonstration runs its
+logprobs workload (the one whose outputs have the most to compare: token ids
+and logprobs) once each way, 8 requests x 16 tokens, and its JSON is checked.
 """
 
 import json
@@ -74,32 +74,51 @@ def test_step_profile_runs_and_outputs_match(tmp_path, coarse):
 
 def test_engine_demonstration_runs_and_outputs_match(tmp_path):
     """benchmarks/engine.py (``tox -e bench``), tiny: 8 requests x 16 tokens,
-    one run each way of each workload; its JSON, not its numbers' sizes."""
+    one run each way of the logprobs workload; its JSON, not its numbers' sizes."""
     result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "engine.py"), "--concurrency", "8",
-         "--max-tokens", "16", "--runs", "1", "--out", str(tmp_path)],
+        [sys.executable, str(BENCHMARKS / "engine.py"), "--workloads", "logprobs",
+         "--concurrency", "8", "--max-tokens", "16", "--runs", "1", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-5000:]
 
     report = json.loads((tmp_path / "engine.json").read_text())
     assert report["command"] and report["machine"]
-    assert [entry["workload"] for entry in report["results"]] == [
-        "greedy", "repetition", "logprobs"]
-    for entry in report["results"]:
-        assert entry["outputs_identical"] is True
-        assert entry["outputs_compared"] == (
-            ["token_ids", "logprobs"] if entry["workload"] == "logprobs" else ["token_ids"])
-        assert entry["concurrency"] == 8 and entry["max_tokens"] == 16
-        for variant in ("stock", "fastbatch"):
-            side = entry[variant]
-            assert side["output_tokens"] == 8 * 16
-            assert side["tokens_per_s"] > 0
-            for stage in ("scheduler", "runner", "output processing"):
-                assert side["us_per_step"][stage] > 0, (entry["workload"], variant, stage)
-        assert entry["speedup"]["tokens_per_s"] > 0
-        assert not any(entry["detail"]["stock"]["patches"].values())
-        assert all(entry["detail"]["fastbatch"]["patches"].values())
+    (entry,) = report["results"]
+    assert entry["workload"] == "logprobs"
+    assert entry["outputs_identical"] is True
+    assert entry["outputs_compared"] == ["token_ids", "logprobs"]
+    assert entry["concurrency"] == 8 and entry["max_tokens"] == 16
+    for variant in ("stock", "fastbatch"):
+        side = entry[variant]
+        assert side["output_tokens"] == 8 * 16
+        assert side["tokens_per_s"] > 0 and side["tokens_per_cpu_s"] > 0
+        for stage in ("scheduler", "runner", "output processing"):
+            assert side["us_per_step"][stage] > 0, (variant, stage)
+    assert entry["speedup"]["tokens_per_s"] > 0 and entry["speedup"]["runner"] > 0
+    assert entry["detail"]["stock"]["clock"] == "thread_time"
+    assert not any(entry["detail"]["stock"]["patches"].values())
+    assert all(entry["detail"]["fastbatch"]["patches"].values())
     markdown = (tmp_path / "engine.md").read_text()
-    assert "| greedy (8 x 16) | output tokens/s |" in markdown
+    assert "| logprobs (8 x 16) | output tokens/s |" in markdown
     assert "target" not in result.stdout.lower() and "missed" not in result.stdout.lower()
     assert result.stdout.rstrip().endswith("engine.md")
+
+
+CHECK_IDENTICAL = """
+import sys
+from step_profile import check_identical
+run = {"token_ids": [[1, 2]], "logprobs": [[[[1, -0.5, 1]], [[2, -0.25, 1]]]]}
+changed = {"token_ids": [[1, 2]], "logprobs": [[[[1, -0.5, 1]], [[2, -0.125, 1]]]]}
+print(check_identical("logprobs", 8, {"stock": [run, run], "fastbatch": [run, run]}))
+check_identical("logprobs", 8, {"stock": [run, run], "fastbatch": [run, changed]})
+"""
+
+
+def test_outputs_that_differ_fail_the_benchmarks():
+    """A logprob that differs in one run (the token ids all equal) stops
+    step_profile.py and engine.py with a non-zero exit that names it."""
+    result = subprocess.run([sys.executable, "-c", CHECK_IDENTICAL], cwd=BENCHMARKS,
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.stdout.strip() == "['token_ids', 'logprobs']"
+    assert result.returncode == 1
+    assert "logprobs at 8: logprobs of fastbatch run 2 differ from stock run 1" in result.stderr

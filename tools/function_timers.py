@@ -1,4 +1,8 @@
-"""Wrap vLLM functions with ``time.perf_counter()`` timers where they are looked up.
+"""Wrap vLLM functions with timers where they are looked up.
+
+The clock is ``time.perf_counter`` (wall time), or ``time.thread_time`` (the
+CPU time of the calling thread: time spent waiting for a core, on a busy
+machine, is not counted) with ``FunctionTimers(..., clock=time.thread_time)``.
 
 Used by tools/vllm_generate.py (``--time-method``, ``--profile-step``) in an
 in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the timers must run
@@ -116,9 +120,10 @@ INSTANCE_STEP_FUNCTIONS: dict[str, str] = {
 class Timer:
     """Seconds and calls of one label, over all of its bindings."""
 
-    __slots__ = ("calls", "running", "seconds")
+    __slots__ = ("calls", "clock", "running", "seconds")
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Any = time.perf_counter) -> None:
+        self.clock = clock
         self.seconds = 0.0
         self.calls = 0
         self.running = False
@@ -129,18 +134,18 @@ class Timer:
 
 
 def _timed(function: Any, timer: Timer) -> Any:
-    perf_counter = time.perf_counter
+    clock = timer.clock
 
     @functools.wraps(function)
     def timed(*args: Any, **kwargs: Any) -> Any:
         if timer.running:  # super() or recursion: the outermost call counts
             return function(*args, **kwargs)
         timer.running = True
-        start = perf_counter()
+        start = clock()
         try:
             return function(*args, **kwargs)
         finally:
-            timer.seconds += perf_counter() - start
+            timer.seconds += clock() - start
             timer.calls += 1
             timer.running = False
 
@@ -188,10 +193,12 @@ def _wrap_module_function(module: Any, name: str, timer: Timer) -> list[str]:
 class FunctionTimers:
     """Timers installed on the functions named by ``functions`` (label ->
     (module, qualname)) and ``instance_functions`` (label -> attribute path
-    from ``root``, a live object)."""
+    from ``root``, a live object), reading ``clock``."""
 
     def __init__(self, functions: dict[str, tuple[str, str]],
-                 instance_functions: dict[str, str] | None = None, root: Any = None) -> None:
+                 instance_functions: dict[str, str] | None = None, root: Any = None,
+                 clock: Any = time.perf_counter) -> None:
+        self.clock = clock
         self.timers: dict[str, Timer] = {}
         self.where: dict[str, list[str]] = {}
         self.absent: list[str] = []
@@ -201,7 +208,7 @@ class FunctionTimers:
             self._install(label, lambda p=path: self._bind_instance(root, p))
 
     def _install(self, label: str, bind: Any) -> None:
-        timer = Timer()
+        timer = Timer(self.clock)
         try:
             where = bind()(timer)
         except (ImportError, AttributeError):
@@ -247,17 +254,17 @@ class FunctionTimers:
                 for label, timer in self.timers.items()}
 
 
-def seconds_per_timed_call(repeats: int = 200_000) -> float:
-    """What a timer adds to one call (and so to its callers' time): a timed
-    no-op against a plain one."""
+def seconds_per_timed_call(repeats: int = 200_000, clock: Any = time.perf_counter) -> float:
+    """What a timer reading ``clock`` adds to one call (and so to its callers'
+    time, on that clock): a timed no-op against a plain one."""
     def nothing() -> None:
         return None
 
-    timed = _timed(nothing, Timer())
+    timed = _timed(nothing, Timer(clock))
     best = []
     for function in (nothing, timed, nothing, timed):
-        start = time.perf_counter()
+        start = clock()
         for _ in range(repeats):
             function()
-        best.append(time.perf_counter() - start)
+        best.append(clock() - start)
     return max(0.0, (min(best[1], best[3]) - min(best[0], best[2])) / repeats)

@@ -236,6 +236,10 @@ def main() -> None:
     parser.add_argument("--coarse", action="store_true",
                         help="with --profile-step: no timers on the functions called once "
                              "per request (their cost lands in the scheduler's rows)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="with --profile-step: the timers read the thread's CPU time "
+                             "(time.thread_time), not wall time, so that waiting for a core "
+                             "on a busy machine is not counted")
     parser.add_argument("--warmup-tokens", type=int, default=16,
                         help="with --profile-step: max_tokens of the warm-up generate")
     parser.add_argument("--no-plain", action="store_true",
@@ -296,17 +300,19 @@ def main() -> None:
     elif args.profile_step:
         functions = {label: where for label, where in STEP_FUNCTIONS.items()
                      if not (args.coarse and label in PER_REQUEST_FUNCTIONS)}
+        clock = time.thread_time if args.cpu_time else time.perf_counter
         timers = FunctionTimers(functions, INSTANCE_STEP_FUNCTIONS,
-                                _in_process_engine_core(llm))
+                                _in_process_engine_core(llm), clock=clock)
         warmup = [SamplingParams(temperature=0.0, max_tokens=args.warmup_tokens,
                                  ignore_eos=True, **settings[i % len(settings)][1])
                   for i in range(len(prompts))]
         llm.generate(prompts, warmup, use_tqdm=False)
         timers.reset()
     fastbatch.reset_stats()
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     report["generate_s"] = time.perf_counter() - started
+    report["generate_cpu_s"] = time.process_time() - started_cpu
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     logprobs = [_logprobs(o) for o in outputs]
     if any(entry is not None for entry in logprobs):
@@ -317,7 +323,8 @@ def main() -> None:
     if args.profile_step:
         report["profile"] = {
             "timers": timers.report(), "where": timers.where, "absent": timers.absent,
-            "seconds_per_timed_call": seconds_per_timed_call()}
+            "clock": "thread_time" if args.cpu_time else "perf_counter",
+            "seconds_per_timed_call": seconds_per_timed_call(clock=clock)}
     report["workers"] = llm.collective_rpc(fastbatch.vllm_plugin.status)
     plain_ids = [] if args.no_plain else [
         list(o.outputs[0].token_ids) for o in llm.generate(prompts, plain, use_tqdm=False)]
