@@ -6,7 +6,7 @@ against the methods ``FASTBATCH=1`` installs, in the same run.
   output object whose ``__init__`` was skipped (it records a CUDA event);
 * ``parse_output``: ``RejectionSampler.parse_output`` on a spec step (width 4:
   k = 3 drafts + 1, rejected slots -1, int32);
-* ``drafts``: ``GPUModelRunner._get_draft_token_ids_cpu`` (k = 4 drafts,
+* ``draft_token_ids``: ``GPUModelRunner._get_draft_token_ids_cpu`` (k = 4 drafts,
   int64 buffer of ``max_num_reqs`` rows);
 * ``spec_step``: issue 10's whole spec step at 256 requests, k = 3: the
   drafts' conversion to lists and ``InputBatch.update_async_spec_token_ids``
@@ -32,7 +32,7 @@ from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.worker.gpu_model_runner import AsyncGPUModelRunnerOutput, GPUModelRunner
 
 from fastbatch.patches import async_spec_token_ids as spec_patch
-from fastbatch.patches import draft_token_ids, parse_output, get_output
+from fastbatch.patches import draft_token_ids, get_output, parse_output
 
 ROUND_BUDGET_S = 0.3  # per benchmark: enough rounds for a steady median
 REQUESTS = (1, 256, 1024)
@@ -41,14 +41,14 @@ VOCAB_SIZE = 151_936
 STOCK = {
     "get_output": AsyncGPUModelRunnerOutput.get_output,
     "parse_output": RejectionSampler.parse_output,
-    "drafts": GPUModelRunner._get_draft_token_ids_cpu,
+    "draft_token_ids": GPUModelRunner._get_draft_token_ids_cpu,
 }
 assert not any(getattr(m, "__fastbatch__", False) for m in STOCK.values()), \
     "benchmarks need stock vLLM"
 FASTBATCH = {
     "get_output": get_output.get_output,
     "parse_output": parse_output.parse_output,
-    "drafts": draft_token_ids._get_draft_token_ids_cpu,
+    "draft_token_ids": draft_token_ids._get_draft_token_ids_cpu,
 }
 
 
@@ -87,7 +87,7 @@ def parse_output_args(n, rng):
     return lambda: ((ids, VOCAB_SIZE, discard), {}), lambda result: result
 
 
-def drafts_args(n, rng):
+def draft_token_ids_args(n, rng):
     buffer = _ids(rng, n, SPEC_WIDTH, torch.int64)
     runner = object.__new__(GPUModelRunner)
     runner.__dict__.update(
@@ -98,7 +98,7 @@ def drafts_args(n, rng):
 
 
 ARGS = {"get_output": get_output_args, "parse_output": parse_output_args,
-        "drafts": drafts_args}
+        "draft_token_ids": draft_token_ids_args}
 
 
 def _measure(benchmark, function, setup, extract, expected, **info):
@@ -146,8 +146,8 @@ def test_spec_step(benchmark, variant):
     spec-token update, on a real InputBatch (refilled before every round)."""
     state = SpecState(SpecCell(256, 3))
     runner = _spec_step_runner(state)
-    to_lists, update = ((STOCK["drafts"], STOCK_SPEC_UPDATE) if variant == "stock" else
-                        (FASTBATCH["drafts"], spec_patch.update_async_spec_token_ids))
+    to_lists, update = ((STOCK["draft_token_ids"], STOCK_SPEC_UPDATE) if variant == "stock" else
+                        (FASTBATCH["draft_token_ids"], spec_patch.update_async_spec_token_ids))
 
     def step():
         draft_token_ids, _ = to_lists(runner)
@@ -155,7 +155,7 @@ def test_spec_step(benchmark, variant):
         return draft_token_ids
 
     state.reset()
-    stock_drafts, _ = STOCK["drafts"](runner)
+    stock_drafts, _ = STOCK["draft_token_ids"](runner)
     STOCK_SPEC_UPDATE(state.batch, stock_drafts)
     expected = state.result()[0], stock_drafts
 

@@ -28,7 +28,8 @@ from typing import Any
 import pytest
 import scheduler_lockstep as lockstep
 
-from fastbatch.patches import after_schedule, cached_requests, update_from_output, allocate_slots
+import fastbatch
+from fastbatch.patches import after_schedule, allocate_slots, cached_requests, update_from_output
 
 ROUND_BUDGET_S = 1.0
 MAX_ROUNDS = 400  # every request stays far below max_model_len
@@ -92,15 +93,23 @@ class DecodeState:
 @pytest.fixture(scope="module")
 def decode_states():
     """``decode_states(requests)``: both variants' states, checked equal over 8
-    steps side by side; one cell at a time."""
+    steps side by side (and the fastbatch one's pieces took requests); one
+    cell at a time."""
     current: dict[int, dict[str, DecodeState]] = {}
 
     def get(requests: int) -> dict[str, DecodeState]:
         if requests not in current:
             current.clear()
             gc.unfreeze()
+            fastbatch.reset_stats()
             states = {variant: DecodeState(requests, variant) for variant in VARIANTS}
             check_equal(states["stock"], states["fastbatch"], steps=8)
+            counters = fastbatch.stats()  # what the fastbatch variant's pieces took
+            for name, counter in (("allocate_slots", "noop_allocations"),
+                                  ("update_from_output", "fast_outputs"),
+                                  ("after_schedule", "requests"),
+                                  ("cached_requests", "requests")):
+                assert counters[name][counter] > 0, f"fastbatch's {name} took no request"
             gc.collect()
             gc.freeze()
             current[requests] = states

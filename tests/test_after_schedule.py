@@ -9,6 +9,9 @@ request, and here also what only this method touches (the in-flight
 prefills, the cleared id sets, which requests share the step's spec-token
 placeholder list, ``last_sched_seq``, ``next_decode_eligible_step``).
 ``FASTBATCH_LOCKSTEP_STEPS`` sets the total number of steps (default 2,000).
+Each lockstep run, with the compiled piece or its pure-Python twin, asserts
+from that implementation's own counters that it took requests, and that
+the other implementation's counters did not move.
 
 Also: compiled vs twin vs vLLM's own methods on generated batches of real
 requests (hypothesis), including batches the kernel must hand back to vLLM;
@@ -18,7 +21,6 @@ bad input; the guard, the activation check, the plugin; leaks.
 from __future__ import annotations
 
 import gc
-import importlib
 import os
 from types import MethodType, SimpleNamespace
 
@@ -31,7 +33,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 import fastbatch
-from fastbatch import _kernels, _reference, vllm_plugin
+from fastbatch import _kernels, _reference, registry, vllm_plugin
 from fastbatch.patches import after_schedule as patch
 from leaks import assert_no_leak
 
@@ -73,20 +75,31 @@ class Lockstep(lockstep.Lockstep):
         self._compare("after_schedule", own_state(self.stock), own_state(self.fast))
 
 
+IDLE = {"requests": 0, "stock_calls": 0}
+
+
 @pytest.mark.parametrize("workload", lockstep.WORKLOADS, ids=lambda w: w.name)
 def test_lockstep_matches_stock(workload):
-    fastbatch.reset_stats()
+    _kernels.reset_stats()
+    _reference.reset_stats()
     Lockstep(workload, seed=21, make_fast=make_fast).run(STEPS_PER_WORKLOAD)
-    counters = fastbatch.stats()
-    assert counters["after_schedule_requests"] > 0
-    assert counters["after_schedule_stock_calls"] == 0  # vLLM's own batches are plain
+    counters = fastbatch.stats()["after_schedule"]
+    assert counters["requests"] > 0  # the compiled pass took the batches
+    assert counters["stock_calls"] == 0  # vLLM's own batches are plain
+    assert _reference.after_schedule.stats() == IDLE  # the twin never ran
 
 
 @pytest.mark.parametrize("workload", [lockstep.WORKLOADS[2], lockstep.WORKLOADS[12]],
                          ids=lambda w: w.name)
 def test_lockstep_with_the_pure_python_twin(monkeypatch, workload):
     monkeypatch.setattr(fastbatch, "update_after_schedule", _reference.update_after_schedule)
+    _kernels.reset_stats()
+    _reference.reset_stats()
     Lockstep(workload, seed=4, make_fast=make_fast).run(60)
+    counters = _reference.after_schedule.stats()
+    assert counters["requests"] > 0  # the twin took the batches
+    assert counters["stock_calls"] == 0
+    assert _kernels.after_schedule.stats() == IDLE  # the compiled pass never ran
 
 
 # Generated batches of real requests -------------------------------------------
@@ -180,9 +193,7 @@ def test_compiled_twin_and_vllm_agree(rows, is_async, defer, use_v2, odd):
         fastbatch.update_after_schedule = _kernels.update_after_schedule
     assert compiled == expected
     assert twin == expected
-    keys = ("after_schedule_requests", "after_schedule_stock_calls")
-    assert ({key: _kernels.stats()[key] for key in keys}
-            == {key: _reference.stats()[key] for key in keys})
+    assert _kernels.stats()["after_schedule"] == _reference.stats()["after_schedule"]
     if odd in (None, "spec_tuple") and rows and not (odd == "spec_tuple" and is_async):
         assert _kernels.stats()["after_schedule"]["requests"] == len(rows)
 
@@ -236,11 +247,12 @@ def test_no_leaks():
 def test_guard_accepts_this_vllm_and_refuses_a_changed_method():
     import vllm
 
-    assert patch.check_target(vllm.__version__, STOCK) is None
+    assert patch.PATCH.check_target(vllm.__version__, STOCK) is None
     assert patch.ASYNC_PATCH.check_target(vllm.__version__, ASYNC_STOCK) is None
-    assert "not a verified variant" in patch.check_target(vllm.__version__, make_fast)
+    assert "not a verified variant" in patch.PATCH.check_target(vllm.__version__, make_fast)
     assert "not a verified variant" in patch.ASYNC_PATCH.check_target(vllm.__version__, STOCK)
-    assert "not a verified version" in patch.check_target("0.30.0", STOCK)
+    assert "not a verified version" in patch.PATCH.check_target("0.30.0", STOCK)
+    assert "not a verified version" in patch.ASYNC_PATCH.check_target("0.30.0", ASYNC_STOCK)
 
 
 def test_activation_check_passes_and_refuses_a_wrong_kernel(monkeypatch):
@@ -266,20 +278,27 @@ def test_activation_check_passes_and_refuses_a_wrong_kernel(monkeypatch):
 
 
 def test_plugin_applies_and_reverts(monkeypatch):
+    piece = registry.piece("after_schedule")
+    assert piece.patches == (patch.ASYNC_PATCH, patch.PATCH)  # the async one first
     monkeypatch.setenv("FASTBATCH", "1")
-    monkeypatch.setenv("FASTBATCH_DISABLE", "output spec penalties")
+    monkeypatch.setenv("FASTBATCH_DISABLE",
+                       "async_output_token_ids async_spec_token_ids penalty_output_tokens")
     try:
         vllm_plugin.register()
         assert Scheduler._update_after_schedule is patch._update_after_schedule
         assert AsyncScheduler._update_after_schedule is patch._update_after_schedule_async
-        assert patch.is_applied() and vllm_plugin.status()["patches"]["after_schedule"]
+        assert piece.is_applied() and vllm_plugin.status()["patches"]["after_schedule"]
+        assert patch.PATCH.is_applied() and patch.ASYNC_PATCH.is_applied()
     finally:
-        patch.revert()
+        piece.revert()
     assert Scheduler._update_after_schedule is STOCK
     assert AsyncScheduler._update_after_schedule is ASYNC_STOCK
+    assert not piece.is_applied()
     monkeypatch.setenv("FASTBATCH_DISABLE", "after_schedule")
-    vllm_plugin.register()
-    assert Scheduler._update_after_schedule is STOCK
-    assert AsyncScheduler._update_after_schedule is ASYNC_STOCK
-    for module in vllm_plugin.PATCHES.values():
-        importlib.import_module(module).revert()
+    try:
+        vllm_plugin.register()
+        assert Scheduler._update_after_schedule is STOCK
+        assert AsyncScheduler._update_after_schedule is ASYNC_STOCK
+        assert vllm_plugin.status()["patches"]["after_schedule"] is False
+    finally:
+        vllm_plugin.revert()

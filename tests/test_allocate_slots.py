@@ -1,4 +1,4 @@
-"""Piece ``scheduler``: ``KVCacheManager.allocate_slots``'s decode fast answer.
+"""Piece ``allocate_slots``: ``KVCacheManager.allocate_slots``'s decode fast answer.
 
 Against the REAL vLLM 0.33.0 scheduler (tox -e vllm), no model: the lockstep
 harness (``scheduler_lockstep``) drives a stock scheduler and one whose KV
@@ -10,17 +10,21 @@ min_tokens, max_tokens, aborts, preemption, chunked prefill, block
 boundaries, arrivals every step, the scheduler's Model Runner V2 branches).
 ``FASTBATCH_LOCKSTEP_STEPS`` sets the total number of steps (default 2,000;
 the report runs >= 10,000).
+Each lockstep run, with the compiled piece or its pure-Python twin, asserts
+from that implementation's own counters that it took requests, and that
+the other implementation's counters did not move.
 
 Also: the harness reports a planted one-token difference; compiled vs twin
 on generated stand-ins (hypothesis), the method and the decision alone;
 vLLM's signature, arguments forwarded as they came; the guard, the
-activation check, bad input, leaks.
+activation check, bad input, leaks; the plugin, by the piece's name and by
+its deprecated 0.1 name ``scheduler``.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
+import logging
 import os
 from types import MethodType, SimpleNamespace
 
@@ -31,7 +35,7 @@ from hypothesis import strategies as st
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 import fastbatch
-from fastbatch import _kernels, _reference, vllm_plugin
+from fastbatch import _kernels, _reference, registry, vllm_plugin
 from fastbatch._kernels import allocate_slots as compiled_piece
 from fastbatch._reference import allocate_slots as twin_piece
 from fastbatch.patches import allocate_slots as patch
@@ -63,14 +67,19 @@ def make_fast(workload: lockstep.Workload, piece=compiled_piece):
     return scheduler
 
 
+IDLE = {"noop_allocations": 0, "stock_allocations": 0}
+
+
 @pytest.mark.parametrize("workload", lockstep.WORKLOADS, ids=lambda w: w.name)
 def test_lockstep_fast_path_matches_stock(workload):
-    fastbatch.reset_stats()
+    _kernels.reset_stats()
+    _reference.reset_stats()
     harness = lockstep.Lockstep(workload, seed=12, make_fast=make_fast)
     harness.run(STEPS_PER_WORKLOAD)  # raises Divergence at the first difference
-    counters = fastbatch.stats()
-    assert counters["scheduler_noop_allocations"] > 0  # the fast path was taken
-    assert counters["scheduler_stock_allocations"] > 0  # and left
+    counters = fastbatch.stats()["allocate_slots"]
+    assert counters["noop_allocations"] > 0  # the fast path was taken
+    assert counters["stock_allocations"] > 0  # and left
+    assert twin_piece.stats() == IDLE  # the twin never ran
     if workload.name.startswith("preemption"):
         assert harness.preemptions > 0
 
@@ -78,10 +87,13 @@ def test_lockstep_fast_path_matches_stock(workload):
 @pytest.mark.parametrize("workload", [lockstep.WORKLOADS[3], lockstep.WORKLOADS[6]],
                          ids=lambda w: w.name)
 def test_lockstep_with_the_pure_python_twin(workload):
-    twin_piece.reset_stats()
+    _kernels.reset_stats()
+    _reference.reset_stats()
     lockstep.Lockstep(workload, seed=5,
                       make_fast=lambda w: make_fast(w, twin_piece)).run(60)
-    assert twin_piece.stats()["allocate_slots"]["noop_allocations"] > 0
+    assert twin_piece.stats()["noop_allocations"] > 0  # the twin took requests
+    assert twin_piece.stats()["stock_allocations"] > 0  # and left some to vLLM
+    assert compiled_piece.stats() == IDLE  # the compiled piece never ran
 
 
 def test_harness_reports_a_planted_one_token_difference():
@@ -324,9 +336,9 @@ def test_no_leaks():
 def test_guard_accepts_this_vllm_and_refuses_a_changed_method():
     import vllm
 
-    assert patch.check_target(vllm.__version__, STOCK) is None
-    assert "not a verified variant" in patch.check_target(vllm.__version__, make_fast)
-    assert "not a verified version" in patch.check_target("0.34.0", STOCK)
+    assert patch.PATCH.check_target(vllm.__version__, STOCK) is None
+    assert "not a verified variant" in patch.PATCH.check_target(vllm.__version__, make_fast)
+    assert "not a verified version" in patch.PATCH.check_target("0.34.0", STOCK)
     assert patch.overridden_methods() == []
 
 
@@ -340,17 +352,39 @@ def test_activation_check_passes_and_refuses_a_wrong_kernel():
 
 
 def test_plugin_applies_and_reverts(monkeypatch):
+    piece = registry.piece("allocate_slots")
+    assert piece.patches == (patch.PATCH,)
     monkeypatch.setenv("FASTBATCH", "1")
-    monkeypatch.setenv("FASTBATCH_DISABLE", "output spec penalties")
+    monkeypatch.setenv("FASTBATCH_DISABLE",
+                       "async_output_token_ids async_spec_token_ids penalty_output_tokens")
     try:
         vllm_plugin.register()
-        assert patch.is_applied() and KVCacheManager.allocate_slots is patch.allocate_slots
-        assert vllm_plugin.status()["patches"]["scheduler"] is True
+        assert piece.is_applied() and KVCacheManager.allocate_slots is patch.allocate_slots
+        assert vllm_plugin.status()["patches"]["allocate_slots"] is True
     finally:
-        patch.revert()
+        piece.revert()
     assert KVCacheManager.allocate_slots is STOCK
+    assert not piece.is_applied()
+    monkeypatch.setenv("FASTBATCH_DISABLE", "allocate_slots")
+    try:
+        vllm_plugin.register()
+        assert KVCacheManager.allocate_slots is STOCK
+        assert vllm_plugin.status()["patches"]["allocate_slots"] is False
+    finally:
+        vllm_plugin.revert()
+
+
+def test_plugin_disable_by_the_deprecated_name_scheduler(monkeypatch, logs):
+    """fastbatch 0.1's ``FASTBATCH_DISABLE=scheduler`` still leaves this piece
+    stock, and says that the name is deprecated."""
+    monkeypatch.setenv("FASTBATCH", "1")
     monkeypatch.setenv("FASTBATCH_DISABLE", "scheduler")
-    vllm_plugin.register()
-    assert KVCacheManager.allocate_slots is STOCK
-    for module in vllm_plugin.PATCHES.values():
-        importlib.import_module(module).revert()
+    try:
+        vllm_plugin.register()
+        assert KVCacheManager.allocate_slots is STOCK
+        assert not registry.piece("allocate_slots").is_applied()
+        assert registry.piece("update_from_output").is_applied()  # the other pieces are on
+    finally:
+        vllm_plugin.revert()
+    assert any("FASTBATCH_DISABLE=scheduler is deprecated" in line
+               and "'allocate_slots'" in line for line in logs.at(logging.WARNING))

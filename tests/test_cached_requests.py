@@ -7,6 +7,9 @@ each ``SchedulerOutput`` (its ``CachedRequestData`` included, dicts in order)
 after every step, and here also that each token-id copy is a list of its
 own.  ``FASTBATCH_LOCKSTEP_STEPS`` sets the total number of steps (default
 2,000).
+Each lockstep run, with the compiled piece or its pure-Python twin, asserts
+from that implementation's own counters that it took requests, and that
+the other implementation's counters did not move.
 
 Also: compiled vs twin vs vLLM's own method on generated batches of real
 requests and KV-cache blocks (hypothesis); the pipeline-parallel branch runs
@@ -16,7 +19,6 @@ vLLM's method; bad input; the guard, the activation check, the plugin; leaks.
 from __future__ import annotations
 
 import gc
-import importlib
 import os
 from types import MethodType, SimpleNamespace
 
@@ -32,7 +34,7 @@ from vllm.v1.request import Request
 from vllm.v1.utils import ConstantList
 
 import fastbatch
-from fastbatch import _kernels, _reference, vllm_plugin
+from fastbatch import _kernels, _reference, registry, vllm_plugin
 from fastbatch.patches import cached_requests as patch
 from leaks import assert_no_leak
 
@@ -62,14 +64,20 @@ def make_fast(workload: lockstep.Workload):
 
 @pytest.mark.parametrize("workload", lockstep.WORKLOADS, ids=lambda w: w.name)
 def test_lockstep_matches_stock(workload):
-    fastbatch.reset_stats()
+    _kernels.reset_stats()
+    _reference.reset_stats()
     lockstep.Lockstep(workload, seed=33, make_fast=make_fast).run(STEPS_PER_WORKLOAD)
-    assert fastbatch.stats()["cached_requests"]["requests"] > 0
+    assert fastbatch.stats()["cached_requests"]["requests"] > 0  # the compiled call took them
+    assert _reference.cached_requests.stats() == {"requests": 0}  # the twin never ran
 
 
 def test_lockstep_with_the_pure_python_twin(monkeypatch):
     monkeypatch.setattr(fastbatch, "cached_request_lists", _reference.cached_request_lists)
+    _kernels.reset_stats()
+    _reference.reset_stats()
     lockstep.Lockstep(lockstep.WORKLOADS[6], seed=8, make_fast=make_fast).run(60)
+    assert _reference.cached_requests.stats()["requests"] > 0  # the twin took them
+    assert _kernels.cached_requests.stats() == {"requests": 0}  # the compiled call never ran
 
 
 # Generated batches of real requests -------------------------------------------
@@ -169,9 +177,10 @@ def test_no_leaks():
 def test_guard_accepts_this_vllm_and_refuses_a_changed_method():
     import vllm
 
-    assert patch.check_target(vllm.__version__, STOCK) is None
-    assert "not a verified variant" in patch.check_target(vllm.__version__, make_fast)
-    assert "not a verified version" in patch.check_target("0.30.0", STOCK)
+    assert patch.PATCH.check_target(vllm.__version__, STOCK) is None
+    assert "not a verified variant" in patch.PATCH.check_target(vllm.__version__, make_fast)
+    assert patch.PATCH.versions[0] == "0.30.0"  # the first release it accepts
+    assert "not a verified version" in patch.PATCH.check_target("0.29.0", STOCK)
 
 
 def test_activation_check_passes_and_refuses_a_wrong_kernel(monkeypatch):
@@ -196,17 +205,24 @@ def test_activation_check_passes_and_refuses_a_wrong_kernel(monkeypatch):
 
 
 def test_plugin_applies_and_reverts(monkeypatch):
+    piece = registry.piece("cached_requests")
+    assert piece.patches == (patch.PATCH,)
     monkeypatch.setenv("FASTBATCH", "1")
-    monkeypatch.setenv("FASTBATCH_DISABLE", "output spec penalties")
+    monkeypatch.setenv("FASTBATCH_DISABLE",
+                       "async_output_token_ids async_spec_token_ids penalty_output_tokens")
     try:
         vllm_plugin.register()
         assert Scheduler._make_cached_request_data is patch._make_cached_request_data
-        assert patch.is_applied() and vllm_plugin.status()["patches"]["cached_requests"]
+        assert piece.is_applied() and vllm_plugin.status()["patches"]["cached_requests"]
+        assert patch.PATCH.original() is STOCK
     finally:
-        patch.revert()
+        piece.revert()
     assert Scheduler._make_cached_request_data is STOCK
+    assert not piece.is_applied()
     monkeypatch.setenv("FASTBATCH_DISABLE", "cached_requests")
-    vllm_plugin.register()
-    assert Scheduler._make_cached_request_data is STOCK
-    for module in vllm_plugin.PATCHES.values():
-        importlib.import_module(module).revert()
+    try:
+        vllm_plugin.register()
+        assert Scheduler._make_cached_request_data is STOCK
+        assert vllm_plugin.status()["patches"]["cached_requests"] is False
+    finally:
+        vllm_plugin.revert()

@@ -1,12 +1,14 @@
-"""Piece ``drafts``: the draft-token lists of
+"""Piece ``draft_token_ids``: the draft-token lists of
 ``GPUModelRunner._get_draft_token_ids_cpu``.
 
 Compiled vs twin vs vLLM's slice and ``tolist()``; the REAL vLLM 0.33.0
 method against the patched one on stand-in runners (marker ``vllm``); the
-guard and activation check; bad input; leaks.
+guard and activation check; the plugin; bad input; leaks.
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from id_rows import assert_plain_rows, id_tensors
 
-from fastbatch import _kernels, _reference
+from fastbatch import _kernels, _reference, registry, vllm_plugin
 from leaks import assert_no_leak
 
 IMPLEMENTATIONS = [_kernels.draft_token_lists, _reference.draft_token_lists]
@@ -47,8 +49,9 @@ def test_counters():
     _reference.reset_stats()
     for implementation in IMPLEMENTATIONS:
         implementation(torch.zeros((8, 3), dtype=torch.int64), 5, 3)
-    for stats in (_kernels.stats(), _reference.stats()):
-        assert (stats["draft_lists_calls"], stats["draft_lists_rows"]) == (1, 5)
+    for stats in (_kernels.stats()["draft_token_ids"], _reference.stats()["draft_token_ids"],
+                  _kernels.draft_token_ids.stats(), _reference.draft_token_ids.stats()):
+        assert stats == {"calls": 1, "rows": 5}
 
 
 @pytest.mark.parametrize(("buffer", "num_reqs", "num_spec_tokens", "error"), [
@@ -115,7 +118,7 @@ def test_patched_method_is_vllms(state):
 
     from fastbatch.patches import draft_token_ids as patch
 
-    stock = patch.original() or GPUModelRunner._get_draft_token_ids_cpu
+    stock = patch.PATCH.original() or GPUModelRunner._get_draft_token_ids_cpu
     expected = stock(real_runner(*state))
     got = patch._get_draft_token_ids_cpu(real_runner(*state))
     assert type(got) is tuple and got == expected
@@ -132,7 +135,7 @@ def test_patched_method_falls_back_to_vllms_expression():
 
     from fastbatch.patches import draft_token_ids as patch
 
-    stock = patch.original() or GPUModelRunner._get_draft_token_ids_cpu
+    stock = patch.PATCH.original() or GPUModelRunner._get_draft_token_ids_cpu
     state = (torch.zeros((2, 2)), torch.arange(8, dtype=torch.int16).view(4, 2), ["a", "b"])
     assert patch._get_draft_token_ids_cpu(real_runner(*state)) == stock(real_runner(*state))
 
@@ -145,11 +148,70 @@ def test_guard_and_activation_check(monkeypatch):
     import fastbatch
     from fastbatch.patches import draft_token_ids as patch
 
-    stock = patch.original() or GPUModelRunner._get_draft_token_ids_cpu
-    assert patch.check_target(vllm.__version__, stock) is None
-    assert patch.check_target("0.23.0", stock) is not None
-    assert "not a verified variant" in patch.check_target(vllm.__version__, real_runner)
+    stock = patch.PATCH.original() or GPUModelRunner._get_draft_token_ids_cpu
+    assert patch.PATCH.check_target(vllm.__version__, stock) is None
+    assert patch.PATCH.check_target("0.23.0", stock) is not None
+    assert "not a verified variant" in patch.PATCH.check_target(vllm.__version__, real_runner)
     assert patch.activation_check(stock, patch._get_draft_token_ids_cpu) is None
     monkeypatch.setattr(fastbatch, "draft_token_lists",  # forgets the width
                         lambda buffer, num_reqs, width: buffer[:num_reqs].tolist())
     assert patch.activation_check(stock, patch._get_draft_token_ids_cpu) is not None
+
+
+def only(name):
+    """``FASTBATCH_DISABLE`` for every piece but ``name``."""
+    return " ".join(other for other in registry.NAMES if other != name)
+
+
+@pytest.mark.vllm
+def test_plugin_applies_and_reverts(monkeypatch):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from fastbatch.patches import draft_token_ids as patch
+
+    stock = GPUModelRunner._get_draft_token_ids_cpu
+    piece = registry.piece("draft_token_ids")
+    assert piece.patches == (patch.PATCH,)
+    monkeypatch.setenv("FASTBATCH", "1")
+    monkeypatch.setenv("FASTBATCH_DISABLE", only("draft_token_ids"))
+    try:
+        vllm_plugin.register()
+        assert GPUModelRunner._get_draft_token_ids_cpu is patch._get_draft_token_ids_cpu
+        assert patch.PATCH.original() is stock
+        assert vllm_plugin.status()["patches"] == {name: name == "draft_token_ids"
+                                                   for name in registry.NAMES}
+        _kernels.reset_stats()
+        buffer = torch.arange(12, dtype=torch.int64).view(4, 3)
+        runner = real_runner(torch.zeros((2, 2), dtype=torch.int64), buffer, ["a", "b"])
+        assert runner._get_draft_token_ids_cpu() == ([[0, 1], [3, 4]], ["a", "b"])
+        assert _kernels.draft_token_ids.stats() == {"calls": 1, "rows": 2}  # the compiled call
+    finally:
+        vllm_plugin.revert()
+    assert GPUModelRunner._get_draft_token_ids_cpu is stock and not piece.is_applied()
+    monkeypatch.setenv("FASTBATCH_DISABLE", "draft_token_ids")
+    try:
+        vllm_plugin.register()
+        assert GPUModelRunner._get_draft_token_ids_cpu is stock
+        assert vllm_plugin.status()["patches"]["draft_token_ids"] is False
+    finally:
+        vllm_plugin.revert()
+
+
+@pytest.mark.vllm
+def test_plugin_disable_by_the_deprecated_name_drafts(monkeypatch, logs):
+    """fastbatch 0.1's ``FASTBATCH_DISABLE=drafts`` still leaves this piece
+    stock, and says that the name is deprecated."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    stock = GPUModelRunner._get_draft_token_ids_cpu
+    monkeypatch.setenv("FASTBATCH", "1")
+    monkeypatch.setenv("FASTBATCH_DISABLE", "drafts")
+    try:
+        vllm_plugin.register()
+        assert GPUModelRunner._get_draft_token_ids_cpu is stock
+        assert not registry.piece("draft_token_ids").is_applied()
+        assert registry.piece("get_output").is_applied()  # the others are on
+    finally:
+        vllm_plugin.revert()
+    assert any("FASTBATCH_DISABLE=drafts is deprecated" in line
+               and "'draft_token_ids'" in line for line in logs.at(logging.WARNING))

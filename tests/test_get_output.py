@@ -3,7 +3,8 @@
 
 Compiled vs twin vs vLLM's two lines (``tolist()`` and the clear loop); the
 REAL vLLM 0.33.0 method against the patched one on stand-in outputs (marker
-``vllm``); the patch's guard and activation check; bad input; leaks.
+``vllm``); the patch's guard and activation check; the plugin; bad input;
+leaks.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from id_rows import assert_plain_rows, id_tensors
 
 import fastbatch
-from fastbatch import _kernels, _reference
+from fastbatch import _kernels, _reference, registry, vllm_plugin
 from leaks import assert_no_leak
 
 IMPLEMENTATIONS = [_kernels.sampled_token_lists, _reference.sampled_token_lists]
@@ -77,6 +78,8 @@ def test_counters():
     assert _kernels.stats()["get_output"]["calls"] == 1
     assert _kernels.stats()["get_output"]["rows"] == 4
     assert _reference.stats()["get_output"]["rows"] == 4
+    for stats in (_kernels.get_output.stats(), _reference.get_output.stats()):
+        assert stats == {"calls": 1, "rows": 4}
 
 
 @pytest.mark.parametrize(("sampled", "invalid", "error"), [
@@ -198,10 +201,47 @@ def test_guard_and_activation_check(vllm_runner, monkeypatch):
     from fastbatch.patches import get_output as patch
 
     stock = vllm_runner.AsyncGPUModelRunnerOutput.get_output
-    assert patch.check_target(vllm.__version__, stock) is None
-    assert patch.check_target("0.30.0", stock) is not None
-    assert "not a verified variant" in patch.check_target(vllm.__version__, vllm_lines)
+    assert patch.PATCH.check_target(vllm.__version__, stock) is None
+    assert patch.PATCH.check_target("0.30.0", stock) is not None
+    assert "not a verified variant" in patch.PATCH.check_target(vllm.__version__, vllm_lines)
     assert patch.activation_check(stock, patch.get_output) is None
     monkeypatch.setattr(fastbatch, "sampled_token_lists",
                         lambda sampled, invalid: sampled.tolist())  # forgets the clears
     assert patch.activation_check(stock, patch.get_output) is not None
+
+
+def only(name):
+    """``FASTBATCH_DISABLE`` for every piece but ``name``."""
+    return " ".join(other for other in registry.NAMES if other != name)
+
+
+@pytest.mark.vllm
+def test_plugin_applies_and_reverts(vllm_runner, monkeypatch):
+    from fastbatch.patches import get_output as patch
+
+    cls = vllm_runner.AsyncGPUModelRunnerOutput
+    stock = cls.get_output
+    piece = registry.piece("get_output")
+    assert piece.patches == (patch.PATCH,) and patch.PATCH.needs_async_scheduling
+    monkeypatch.setenv("FASTBATCH", "1")
+    monkeypatch.setenv("FASTBATCH_DISABLE", only("get_output"))
+    try:
+        vllm_plugin.register()
+        assert cls.get_output is patch.get_output and patch.PATCH.original() is stock
+        assert vllm_plugin.status()["patches"] == {name: name == "get_output"
+                                                   for name in registry.NAMES}
+        _kernels.reset_stats()
+        sampled = torch.tensor([[3], [4], [5]], dtype=torch.int32)
+        assert real_output(vllm_runner, sampled, [1]).get_output().sampled_token_ids == [
+            [3], [], [5]]
+        assert _kernels.get_output.stats() == {"calls": 1, "rows": 3}  # the compiled call
+    finally:
+        vllm_plugin.revert()
+    assert cls.get_output is stock and not piece.is_applied()
+    monkeypatch.setenv("FASTBATCH_DISABLE", "get_output")
+    try:
+        vllm_plugin.register()
+        assert cls.get_output is stock
+        assert vllm_plugin.status()["patches"]["get_output"] is False
+    finally:
+        vllm_plugin.revert()

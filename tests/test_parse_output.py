@@ -2,8 +2,8 @@
 
 Compiled vs twin vs a transcription of vLLM's numpy code; the REAL vLLM
 0.33.0 static method against the installed patch (marker ``vllm``),
-fallbacks and logprobs included; the guard and activation check; bad input;
-leaks.
+fallbacks and logprobs included; the guard and activation check; the plugin;
+bad input; leaks.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from id_rows import VOCAB_SIZE, assert_plain_rows, id_tensors
 
-from fastbatch import _kernels, _reference
+from fastbatch import _kernels, _reference, registry, vllm_plugin
 from leaks import assert_no_leak
 
 IMPLEMENTATIONS = [_kernels.rejection_output_lists, _reference.rejection_output_lists]
@@ -76,9 +76,9 @@ def test_counters():
     ids = torch.tensor([[1, -1], [2, 3], [4, 5]], dtype=torch.int32)
     for implementation in IMPLEMENTATIONS:
         implementation(ids, 512, [2])
-    for stats in (_kernels.stats(), _reference.stats()):
-        assert (stats["parse_output_calls"], stats["parse_output_rows"],
-                stats["parse_output_tokens"]) == (1, 3, 3)
+    for stats in (_kernels.stats()["parse_output"], _reference.stats()["parse_output"],
+                  _kernels.parse_output.stats(), _reference.parse_output.stats()):
+        assert stats == {"calls": 1, "rows": 3, "tokens": 3}
 
 
 IDS = torch.zeros((2, 3), dtype=torch.int32)
@@ -131,10 +131,10 @@ def installed():
     from fastbatch.patches import parse_output as patch
 
     stock = RejectionSampler.parse_output
-    assert patch.apply()
+    assert patch.PATCH.apply()
     assert RejectionSampler.parse_output is not stock
     yield stock
-    patch.revert()
+    patch.PATCH.revert()
     assert RejectionSampler.parse_output is stock
 
 
@@ -208,11 +208,57 @@ def test_guard_and_activation_check(monkeypatch):
     import fastbatch
     from fastbatch.patches import parse_output as patch
 
-    stock = patch.original() or RejectionSampler.parse_output  # (installed by a fixture?)
-    assert patch.check_target(vllm.__version__, stock) is None
-    assert patch.check_target("0.34.0", stock) is not None
-    assert "not a verified variant" in patch.check_target(vllm.__version__, vllm_lists)
+    stock = patch.PATCH.original() or RejectionSampler.parse_output  # (installed by a fixture?)
+    assert patch.PATCH.check_target(vllm.__version__, stock) is None
+    assert patch.PATCH.check_target("0.34.0", stock) is not None
+    assert "not a verified variant" in patch.PATCH.check_target(vllm.__version__, vllm_lists)
     assert patch.activation_check(stock, patch.PATCH.replacement) is None
     monkeypatch.setattr(fastbatch, "rejection_output_lists",  # forgets the vocabulary
                         lambda ids, vocab_size, discard: vllm_lists(ids, 2**40, discard))
     assert patch.activation_check(stock, patch.PATCH.replacement) is not None
+
+
+def only(name):
+    """``FASTBATCH_DISABLE`` for every piece but ``name``."""
+    return " ".join(other for other in registry.NAMES if other != name)
+
+
+@pytest.mark.vllm
+def test_plugin_applies_and_reverts(monkeypatch):
+    import inspect
+
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    from fastbatch.patches import parse_output as patch
+
+    piece = registry.piece("parse_output")
+    installed_here = piece.is_applied()  # by the ``installed`` fixture, if it ran first
+    piece.revert()
+    stock = RejectionSampler.parse_output
+    assert piece.patches == (patch.PATCH,)
+    monkeypatch.setenv("FASTBATCH", "1")
+    monkeypatch.setenv("FASTBATCH_DISABLE", only("parse_output"))
+    try:
+        vllm_plugin.register()
+        assert RejectionSampler.parse_output is patch.parse_output
+        assert type(inspect.getattr_static(RejectionSampler, "parse_output")) is staticmethod
+        assert patch.PATCH.original() is stock
+        assert vllm_plugin.status()["patches"] == {name: name == "parse_output"
+                                                   for name in registry.NAMES}
+        _kernels.reset_stats()
+        ids = torch.tensor([[1, -1], [2, 3]], dtype=torch.int32)
+        assert RejectionSampler.parse_output(ids, 512, []) == ([[1], [2, 3]], None)
+        assert _kernels.parse_output.stats() == {"calls": 1, "rows": 2, "tokens": 3}
+    finally:
+        vllm_plugin.revert()
+    assert RejectionSampler.parse_output is stock and not piece.is_applied()
+    assert type(inspect.getattr_static(RejectionSampler, "parse_output")) is staticmethod
+    monkeypatch.setenv("FASTBATCH_DISABLE", "parse_output")
+    try:
+        vllm_plugin.register()
+        assert RejectionSampler.parse_output is stock
+        assert vllm_plugin.status()["patches"]["parse_output"] is False
+    finally:
+        vllm_plugin.revert()
+        if installed_here:
+            assert piece.apply()

@@ -1,4 +1,4 @@
-"""Piece ``scheduler_outputs``: the plain decodes of ``Scheduler.update_from_output``.
+"""Piece ``update_from_output``: the plain decodes of ``Scheduler.update_from_output``.
 
 Against the REAL vLLM 0.33.0 scheduler (tox -e vllm), no model: the lockstep
 harness (``scheduler_lockstep``) drives a stock scheduler and one whose
@@ -12,15 +12,19 @@ min_tokens, max_tokens, aborts, preemption, chunked prefill, block
 boundaries, arrivals every step, the Model Runner V2 branches).
 ``FASTBATCH_LOCKSTEP_STEPS`` sets the total number of steps (default 2,000;
 the report runs >= 10,000).
+Each lockstep run, with the compiled piece or its pure-Python twin, asserts
+from that implementation's own counters that it took requests, and that
+the other implementation's counters did not move.
 
 Also: compiled vs twin on generated real requests (hypothesis); the guard,
 the activation check (refuses a wrong kernel), bad input (nothing changed),
-leaks.
+leaks; the plugin, by the piece's name and by its deprecated 0.1 name
+``scheduler_outputs``.
 """
 
 from __future__ import annotations
 
-import importlib
+import logging
 import os
 from types import MethodType, SimpleNamespace
 
@@ -35,8 +39,8 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
 import fastbatch
-from fastbatch import _kernels, _reference, vllm_plugin
-from fastbatch.patches import after_schedule, cached_requests, allocate_slots
+from fastbatch import _kernels, _reference, registry, vllm_plugin
+from fastbatch.patches import after_schedule, allocate_slots, cached_requests
 from fastbatch.patches import update_from_output as patch
 from leaks import assert_no_leak
 
@@ -55,8 +59,8 @@ def make_fast(workload: lockstep.Workload):
 
 
 def make_fast_with_every_scheduler_piece(workload: lockstep.Workload):
-    """As ``FASTBATCH=1`` leaves a scheduler: this piece with ``scheduler``
-    (``allocate_slots``), ``after_schedule`` and ``cached_requests``."""
+    """As ``FASTBATCH=1`` leaves a scheduler: this piece with ``allocate_slots``,
+    ``after_schedule`` and ``cached_requests``."""
     scheduler = make_fast(workload)
     allocate_slots.bind()
     manager = scheduler.kv_cache_manager
@@ -69,28 +73,43 @@ def make_fast_with_every_scheduler_piece(workload: lockstep.Workload):
     return scheduler
 
 
+SCHEDULER_PIECES = ("after_schedule", "allocate_slots", "cached_requests",
+                    "update_from_output")
+
+
+def idle(stats, names=SCHEDULER_PIECES):
+    """Whether none of the counters of pieces ``names`` in ``stats`` moved."""
+    return all(not any(stats[name].values()) for name in names)
+
+
 @pytest.mark.parametrize("workload", lockstep.WORKLOADS, ids=lambda w: w.name)
 def test_lockstep_fast_path_matches_stock(workload):
-    fastbatch.reset_stats()
+    _kernels.reset_stats()
+    _reference.reset_stats()
     harness = lockstep.Lockstep(workload, seed=21, make_fast=make_fast)
     harness.run(STEPS_PER_WORKLOAD)  # raises Divergence at the first difference
     counters = fastbatch.stats()
-    assert counters["scheduler_fast_outputs"] > 0  # the fast path was taken
-    assert counters["scheduler_stock_outputs"] > 0  # and left
+    assert counters["update_from_output"]["fast_outputs"] > 0  # the fast path was taken
+    assert counters["update_from_output"]["stock_outputs"] > 0  # and left
+    assert idle(counters, ("after_schedule", "allocate_slots", "cached_requests"))
+    assert idle(_reference.stats())  # the twin never ran
     if workload.name.startswith("preemption"):
         assert harness.preemptions > 0
 
 
 @pytest.mark.parametrize("workload", lockstep.WORKLOADS, ids=lambda w: w.name)
 def test_lockstep_with_every_scheduler_piece(workload):
-    fastbatch.reset_stats()
+    _kernels.reset_stats()
+    _reference.reset_stats()
     harness = lockstep.Lockstep(workload, seed=8,
                                 make_fast=make_fast_with_every_scheduler_piece)
     harness.run(STEPS_PER_WORKLOAD)
     counters = fastbatch.stats()
-    for counter in ("scheduler_fast_outputs", "scheduler_noop_allocations",
-                    "after_schedule_requests", "cached_requests_requests"):
-        assert counters[counter] > 0, counter
+    for name, counter in (("update_from_output", "fast_outputs"),
+                          ("allocate_slots", "noop_allocations"),
+                          ("after_schedule", "requests"), ("cached_requests", "requests")):
+        assert counters[name][counter] > 0, (name, counter)
+    assert idle(_reference.stats())  # no twin ran
 
 
 @pytest.mark.parametrize("workload", [lockstep.WORKLOADS[3], lockstep.WORKLOADS[6]],
@@ -98,7 +117,14 @@ def test_lockstep_with_every_scheduler_piece(workload):
 def test_lockstep_with_the_pure_python_twin(monkeypatch, workload):
     monkeypatch.setattr(fastbatch, "take_decode_outputs", _reference.take_decode_outputs)
     monkeypatch.setattr(fastbatch, "merge_decode_outputs", _reference.merge_decode_outputs)
+    _kernels.reset_stats()
+    _reference.reset_stats()
     lockstep.Lockstep(workload, seed=5, make_fast=make_fast).run(60)
+    counters = _reference.update_from_output.stats()
+    assert counters["fast_outputs"] > 0  # the twin took requests
+    assert counters["stock_outputs"] > 0  # and left some to vLLM
+    assert idle(_reference.stats(), ("after_schedule", "allocate_slots", "cached_requests"))
+    assert idle(_kernels.stats())  # no compiled piece ran
 
 
 # Compiled vs twin on generated states of real requests over a real small KV
@@ -251,9 +277,9 @@ def test_no_leaks():
 def test_guard_accepts_this_vllm_and_refuses_a_changed_method():
     import vllm
 
-    assert patch.check_target(vllm.__version__, STOCK) is None
-    assert "not a verified variant" in patch.check_target(vllm.__version__, make_fast)
-    assert "not a verified version" in patch.check_target("0.34.0", STOCK)
+    assert patch.PATCH.check_target(vllm.__version__, STOCK) is None
+    assert "not a verified variant" in patch.PATCH.check_target(vllm.__version__, make_fast)
+    assert "not a verified version" in patch.PATCH.check_target("0.34.0", STOCK)
 
 
 def test_activation_check_passes_and_refuses_a_wrong_kernel(monkeypatch):
@@ -273,19 +299,40 @@ def test_activation_check_passes_and_refuses_a_wrong_kernel(monkeypatch):
 
 
 def test_plugin_applies_and_reverts(monkeypatch):
+    piece = registry.piece("update_from_output")
+    assert piece.patches == (patch.PATCH,)
     monkeypatch.setenv("FASTBATCH", "1")
-    monkeypatch.setenv("FASTBATCH_DISABLE", "output spec penalties")
+    monkeypatch.setenv("FASTBATCH_DISABLE",
+                       "async_output_token_ids async_spec_token_ids penalty_output_tokens")
     try:
         vllm_plugin.register()
-        assert patch.is_applied() and Scheduler.update_from_output is patch.update_from_output
+        assert piece.is_applied() and Scheduler.update_from_output is patch.update_from_output
         assert AsyncScheduler.update_from_output is patch.update_from_output
-        assert vllm_plugin.status()["patches"]["scheduler_outputs"] is True
+        assert vllm_plugin.status()["patches"]["update_from_output"] is True
     finally:
-        for module in vllm_plugin.PATCHES.values():
-            importlib.import_module(module).revert()
+        vllm_plugin.revert()
     assert Scheduler.update_from_output is STOCK
+    assert not piece.is_applied()
+    monkeypatch.setenv("FASTBATCH_DISABLE", "update_from_output")
+    try:
+        vllm_plugin.register()
+        assert Scheduler.update_from_output is STOCK
+        assert vllm_plugin.status()["patches"]["update_from_output"] is False
+    finally:
+        vllm_plugin.revert()
+
+
+def test_plugin_disable_by_the_deprecated_name_scheduler_outputs(monkeypatch, logs):
+    """fastbatch 0.1's ``FASTBATCH_DISABLE=scheduler_outputs`` still leaves
+    this piece stock, and says that the name is deprecated."""
+    monkeypatch.setenv("FASTBATCH", "1")
     monkeypatch.setenv("FASTBATCH_DISABLE", "scheduler_outputs")
-    vllm_plugin.register()
-    assert Scheduler.update_from_output is STOCK
-    for module in vllm_plugin.PATCHES.values():
-        importlib.import_module(module).revert()
+    try:
+        vllm_plugin.register()
+        assert Scheduler.update_from_output is STOCK
+        assert not registry.piece("update_from_output").is_applied()
+        assert registry.piece("allocate_slots").is_applied()  # the other pieces are on
+    finally:
+        vllm_plugin.revert()
+    assert any("FASTBATCH_DISABLE=scheduler_outputs is deprecated" in line
+               and "'update_from_output'" in line for line in logs.at(logging.WARNING))
