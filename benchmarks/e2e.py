@@ -70,14 +70,16 @@ def engine_arguments(max_num_seqs: int, max_tokens: int) -> list[str]:
             "--kv-cache-mb", str(kv_cache_mb)]
 
 
-def run_vllm(model: str, fastbatch: bool, arguments: list[str], out: Path) -> dict:
+def run_vllm(model: str, fastbatch: bool, arguments: list[str], out: Path,
+             switches: dict[str, str] | None = None) -> dict:
     """One run of tools/vllm_generate.py in a fresh process (in-process engine,
-    V1 runner, async scheduling kept on by the test plugin); its JSON report."""
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", OMP_NUM_THREADS="1",
-               VLLM_USE_V2_MODEL_RUNNER="0", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               FASTBATCH_E2E_FORCE_ASYNC="1")
-    env.pop("FASTBATCH", None)
-    env.pop("FASTBATCH_DISABLE", None)
+    V1 runner, async scheduling kept on by the test plugin), with fastbatch's
+    other ``switches`` (``FASTBATCH_VERIFY``, ...) if given; its JSON report."""
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith("FASTBATCH")}
+    env.update(VLLM_TARGET_DEVICE="cpu", OMP_NUM_THREADS="1", VLLM_USE_V2_MODEL_RUNNER="0",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", FASTBATCH_E2E_FORCE_ASYNC="1",
+               **(switches or {}))
     if fastbatch:
         env["FASTBATCH"] = "1"
     command = [sys.executable, str(TOOLS / "vllm_generate.py"), "--model", model,

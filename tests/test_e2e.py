@@ -43,6 +43,7 @@ memory allocator is available").  Without async scheduling vLLM never calls
 """
 
 import contextlib
+import functools
 import json
 import os
 import pickle
@@ -58,6 +59,7 @@ from subprocesses import OUTSIDE_THE_CHECKOUT
 
 pytestmark = pytest.mark.e2e
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
+TRAFFIC_STEPS = 150  # steps with arrivals (then drained): about 1,400 engine steps
 # FASTBATCH_DISABLE names: every piece the plugin knows
 PATCH_NAMES = registry.NAMES
 WORKLOADS = {
@@ -83,18 +85,24 @@ def assert_checked_without_divergence(worker, *pieces):
     verify = worker["verify"]
     assert verify["rate"] == 1.0
     assert verify["divergences"] == dict.fromkeys(PATCH_NAMES, 0)
-    assert worker["patches"] == {name: name in SHADOWED for name in PATCH_NAMES}
+    assert worker["patches"] == {name: name in shadowed() for name in PATCH_NAMES}
     for piece in pieces:
         assert verify["checked"][piece] > 0, verify
 
 
-# The pieces with a FASTBATCH_VERIFY shadow check: with verify on, the others
-# stay stock (a user who asks for every call to be checked gets no unchecked
-# piece).
-SHADOWED = ("async_output_token_ids", "async_spec_token_ids", "penalty_output_tokens")
+# The pieces with a FASTBATCH_VERIFY shadow check on every patch: with verify
+# on, the others stay stock (a user who asks for every call to be checked gets
+# no unchecked piece).
+# (Read when a test runs: importing the patch modules needs torch.)
+@functools.cache
+def shadowed() -> tuple[str, ...]:
+    return tuple(piece.name for piece in registry.pieces()
+                 if all(patch.shadow for patch in piece.patches if patch.requires is None))
+
+
+
 V1_LINE = "fastbatch: V1 model runner in use (CPUModelRunner, async scheduling on): "
 V1_ALL_ACT = V1_LINE + ", ".join(PATCH_NAMES) + " can act here"
-V1_SHADOWED_ACT = V1_LINE + ", ".join(SHADOWED) + " can act here"
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +153,37 @@ def generate(tiny_model, tmp_path_factory):
             cache[key] = json.loads(out.read_text())
             cache[key]["log"] = output.splitlines()
             cache[key]["reproducers"] = sorted((folder / "reproducers").glob("*.pkl"))
+        return cache[key]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def traffic(tiny_model, tmp_path_factory):
+    """tools/vllm_traffic.py in a fresh process (arrivals every step, shared
+    prefixes, chunked prefill, preemption, aborts, every kind of stop,
+    penalties, logprobs, n=2); results are cached per setting."""
+    cache = {}
+
+    def run(fastbatch: bool, verify: str = "", steps: int = TRAFFIC_STEPS):
+        key = (fastbatch, verify, steps)
+        if key not in cache:
+            folder = tmp_path_factory.mktemp("traffic")
+            out = folder / "result.json"
+            env = {name: value for name, value in os.environ.items()
+                   if not name.startswith("FASTBATCH")}
+            env.update(VLLM_TARGET_DEVICE="cpu", OMP_NUM_THREADS="1",
+                       VLLM_USE_V2_MODEL_RUNNER="0", FASTBATCH_E2E_FORCE_ASYNC="1",
+                       VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                       FASTBATCH_VERIFY_DIR=str(folder / "reproducers"),
+                       FASTBATCH="1" if fastbatch else "0", FASTBATCH_VERIFY=verify)
+            command = [sys.executable, str(TOOLS / "vllm_traffic.py"), "--model",
+                       str(tiny_model), "--out", str(out), "--steps", str(steps),
+                       "--async-scheduling"]
+            returncode, output = _run_in_own_process_group(command, env)
+            assert returncode == 0, output[-5000:]
+            cache[key] = json.loads(out.read_text())
+            cache[key]["log"] = output.splitlines()
         return cache[key]
 
     return run
@@ -272,7 +311,8 @@ def test_penalties_kernel_at_long_outputs(generate):
     assert_checked_without_divergence(our_worker, "async_output_token_ids",
                                       "penalty_output_tokens")
     assert ours["reproducers"] == []
-    assert fastbatch_lines(ours, "model runner in use")[0].endswith(V1_SHADOWED_ACT)
+    assert fastbatch_lines(ours, "model runner in use")[0].endswith(
+        V1_LINE + ", ".join(shadowed()) + " can act here")
     assert stock_worker["async_scheduling"] is our_worker["async_scheduling"] is True
     assert stock_worker["patches"] == dict.fromkeys(PATCH_NAMES, False)
     # Every call checked: apply_all_penalties keeps vLLM's masking (the checked
@@ -379,7 +419,7 @@ def test_spec_decode_every_call_checked_without_divergence(generate):
     checked = generate(fastbatch=True, workload="spec", verify="1")
 
     (worker,) = checked["workers"]
-    assert_checked_without_divergence(worker, *SHADOWED)
+    assert_checked_without_divergence(worker, *shadowed())
     assert checked["reproducers"] == []
     assert checked["token_ids"] == stock["token_ids"]
 
@@ -403,7 +443,7 @@ def test_verify_catches_a_planted_bug_and_keeps_stock_tokens(generate, monkeypat
 
     (worker,) = planted["workers"]
     # the activation checks passed
-    assert worker["patches"] == {name: name in SHADOWED for name in PATCH_NAMES}
+    assert worker["patches"] == {name: name in shadowed() for name in PATCH_NAMES}
     assert worker["verify"]["divergences"] == {name: int(name == "async_output_token_ids")
                                                for name in PATCH_NAMES}
     assert planted["token_ids"] == stock["token_ids"]
@@ -458,3 +498,39 @@ def test_ray_workers_get_fastbatch_from_the_driver(generate):
     assert worker["patches"] == {name: name != "penalty_output_tokens" for name in PATCH_NAMES}
     penalties = worker["stats"]["penalty_output_tokens"]
     assert penalties["tensors"] == penalties["tokens"] == 0
+
+
+def _worked(stats):
+    """The pieces whose counters show work (not only calls handed to vLLM)."""
+    return {name for name, counters in stats.items()
+            if any(value for key, value in counters.items() if not key.startswith("stock"))}
+
+
+def test_mixed_traffic_is_stock_and_verified(traffic):
+    """Arrivals every step, shared prefixes, chunked prefill, preemption,
+    aborts, every kind of stop, penalties, logprobs and n=2: fastbatch gives
+    stock's outputs, logprobs included, and FASTBATCH_VERIFY checks every call
+    of every piece that has a shadow and finds nothing (no false divergence)."""
+    stock = traffic(fastbatch=False)
+    ours = traffic(fastbatch=True)
+    checked = traffic(fastbatch=True, verify="1")
+
+    assert stock["preemptions"] > 0 and stock["requests"] > len(stock["results"])  # aborts
+    reasons = {o["finish_reason"] for r in stock["results"].values() for o in r["outputs"]}
+    assert reasons == {"length", "stop"}
+    assert any(len(r["outputs"]) == 2 for r in stock["results"].values())
+    assert any(o["logprobs"] for r in stock["results"].values() for o in r["outputs"])
+    for run in (ours, checked):
+        assert run["results"] == stock["results"]
+        assert run["steps"] == stock["steps"] and run["preemptions"] == stock["preemptions"]
+    assert ours["status"]["patches"] == dict.fromkeys(PATCH_NAMES, True)
+    worked = _worked(ours["status"]["stats"])
+    # everything but speculative decoding's pieces had work here
+    assert worked >= set(PATCH_NAMES) - {"async_spec_token_ids", "draft_token_ids",
+                                         "parse_output"}
+    verify = checked["status"]["verify"]
+    assert verify["rate"] == 1.0
+    assert verify["divergences"] == dict.fromkeys(PATCH_NAMES, 0)
+    assert checked["status"]["patches"] == {name: name in shadowed() for name in PATCH_NAMES}
+    for name in worked & set(shadowed()):
+        assert verify["checked"][name] > 0, (name, verify)
