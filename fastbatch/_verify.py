@@ -10,6 +10,7 @@ and the piece runs vLLM's code for the rest of the process.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -17,7 +18,7 @@ import pickle
 import random
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import fastbatch
@@ -59,6 +60,15 @@ class Shadow:
     ``compare(ours, stock)``: why the outcomes differ, or None (default: ``==``).
     ``for_reproducer(inputs)``: ``inputs`` without what cannot be pickled
     (default: as they are); ``run`` must accept the result.
+    ``check(inputs, result, *args, **kwargs)`` (optional): right after
+    fastbatch's call (``result`` is None where it raised), whether this call
+    is compared at all; False leaves its result (or exception) as it is,
+    uncounted, and vLLM's code is not run.  For a piece that hands some calls
+    to vLLM's own method itself: those have nothing to check, and vLLM's
+    method must not run twice.  (``run`` may act on live objects that
+    ``snapshot`` kept, after fastbatch's call: where fastbatch's answer, when
+    right, changes nothing, running vLLM's code on the live state is the
+    check, and its effect is vLLM's result in place.)
     """
 
     snapshot: Callable[..., Any]
@@ -67,6 +77,24 @@ class Shadow:
     restore: Callable[..., Any]
     compare: Callable[[Any, Any], str | None] = _equal
     for_reproducer: Callable[[Any], Any] = lambda inputs: inputs
+    check: Callable[..., bool] | None = None
+
+
+_suspended = 0  # > 0 while ``suspended()`` is active
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """While active, checked replacements call fastbatch's replacement
+    unchecked and uncounted (for code that is not the user's traffic: other
+    pieces' activation checks, which run real vLLM objects through the
+    installed methods)."""
+    global _suspended
+    _suspended += 1
+    try:
+        yield
+    finally:
+        _suspended -= 1
 
 
 class _Raised:
@@ -93,7 +121,7 @@ def checked_replacement(patch: Patch, original: Callable[..., Any],
     def checked(*args: Any, **kwargs: Any) -> Any:
         if patch.divergences:
             return original(*args, **kwargs)
-        if rate < 1 and sample() >= rate:
+        if (rate < 1 and sample() >= rate) or _suspended:
             return replacement(*args, **kwargs)
         inputs = shadow.snapshot(*args, **kwargs)
         if inputs is None:
@@ -112,8 +140,12 @@ def _compare_call(patch: Patch, original: Callable[..., Any], inputs: Any,
     try:
         result = patch.replacement(*args, **kwargs)
     except Exception as exc:
+        if shadow.check is not None and not shadow.check(inputs, None, *args, **kwargs):
+            raise
         ours: Any = _Raised(exc)
     else:
+        if shadow.check is not None and not shadow.check(inputs, result, *args, **kwargs):
+            return result
         ours = shadow.outcome(inputs, result, *args, **kwargs)
     try:
         stock: Any = shadow.run(original, inputs)

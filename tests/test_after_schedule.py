@@ -21,6 +21,7 @@ bad input; the guard, the activation check, the plugin; leaks.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 from types import MethodType, SimpleNamespace
 
@@ -302,3 +303,151 @@ def test_plugin_applies_and_reverts(monkeypatch):
         assert vllm_plugin.status()["patches"]["after_schedule"] is False
     finally:
         vllm_plugin.revert()
+
+
+# FASTBATCH_VERIFY: the shadow checks ------------------------------------------
+# Both patches are applied on the classes with verify on; their checked methods
+# are then bound on the fast side's own scheduler only, and the classes put
+# back to vLLM's methods for the stock side.
+
+REAL_KERNEL = fastbatch.update_after_schedule
+VERIFY_STEPS = max(40, STEPS_PER_WORKLOAD // 2)
+
+
+@pytest.fixture
+def verified(monkeypatch, tmp_path):
+    """``verified(rate)``: the piece applied with verify ``rate``; returns a
+    ``make_fast`` that binds the checked methods on the fast side only.
+    Reproducers go to tmp_path.  Stock again afterwards."""
+    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
+    piece = registry.piece("after_schedule")
+    piece.revert()
+    applied = {}
+
+    def apply(rate=1.0):
+        assert all(one.apply(verify=rate) for one in piece.patches)
+        applied.update({cls: vars(cls)["_update_after_schedule"]
+                        for cls in (Scheduler, AsyncScheduler)})
+        assert all(getattr(checked, "__fastbatch__", False) for checked in applied.values())
+        assert applied[Scheduler] is not patch._update_after_schedule
+        Scheduler._update_after_schedule = STOCK
+        AsyncScheduler._update_after_schedule = ASYNC_STOCK
+
+        def make_fast_checked(workload):
+            scheduler = lockstep.make_scheduler(workload)
+            checked = applied[AsyncScheduler if workload.async_scheduling else Scheduler]
+            scheduler._update_after_schedule = MethodType(checked, scheduler)
+            return scheduler
+
+        return make_fast_checked
+
+    yield apply
+    for cls, checked in applied.items():
+        cls._update_after_schedule = checked
+    piece.revert()
+    assert Scheduler._update_after_schedule is STOCK
+    assert AsyncScheduler._update_after_schedule is ASYNC_STOCK
+
+
+@pytest.mark.parametrize("workload", lockstep.WORKLOADS, ids=lambda w: w.name)
+def test_verify_no_false_divergence_in_lockstep(verified, workload):
+    harness = Lockstep(workload, seed=23, make_fast=verified(1.0))
+    harness.run(VERIFY_STEPS)  # the fast side's state stays stock's, every step
+    checked_patch, other = ((patch.ASYNC_PATCH, patch.PATCH) if workload.async_scheduling
+                            else (patch.PATCH, patch.ASYNC_PATCH))
+    assert checked_patch.checked == VERIFY_STEPS  # one call per step, every one checked
+    assert other.checked == 0
+    assert patch.PATCH.divergences == patch.ASYNC_PATCH.divergences == 0
+
+
+def wrong_for_big_batches(calls):
+    """The real kernel, then, for a batch of more than 6 requests (the
+    activation check's has 6), the first request's computed tokens plus one."""
+    def kernel(scheduler, output, placeholders, request_type):
+        calls.append(len(output.num_scheduled_tokens))
+        done = REAL_KERNEL(scheduler, output, placeholders, request_type)
+        if done and len(output.num_scheduled_tokens) > 6:
+            scheduler.requests[next(iter(output.num_scheduled_tokens))].num_computed_tokens += 1
+        return done
+    return kernel
+
+
+@pytest.mark.parametrize("workload", [lockstep.WORKLOADS[0], lockstep.WORKLOADS[1]],
+                         ids=lambda w: w.name)
+def test_verify_planted_bug_is_caught_and_vllm_result_stands(verified, monkeypatch, logs,
+                                                             workload):
+    harness = Lockstep(workload, seed=2, make_fast=verified(1.0))
+    checked_patch = patch.ASYNC_PATCH if workload.async_scheduling else patch.PATCH
+    calls = []
+    # planted after apply: the activation check passed on the real kernel
+    monkeypatch.setattr(fastbatch, "update_after_schedule", wrong_for_big_batches(calls))
+    # The lockstep compares every step: the fast side stays stock's.
+    while checked_patch.divergences == 0 and harness.steps < 200:
+        harness.step()
+    assert checked_patch.divergences == 1 and calls[-1] > 6
+    (path,) = checked_patch.reproducers
+    assert os.path.dirname(path) == os.environ["FASTBATCH_VERIFY_DIR"]
+    (error,) = [line for line in logs.at(logging.ERROR) if "FASTBATCH_VERIFY" in line]
+    assert repr(checked_patch.name) in error and "num_computed_tokens" in error
+    # From now on vLLM's method runs: the kernel is not called.
+    num_calls, checked = len(calls), checked_patch.checked
+    harness.run(20)
+    assert len(calls) == num_calls and checked_patch.checked == checked
+    # The reproducer replays the divergence, and no longer once the bug is gone.
+    assert "num_computed_tokens" in vllm_plugin.replay(path)
+    monkeypatch.setattr(fastbatch, "update_after_schedule", REAL_KERNEL)
+    assert vllm_plugin.replay(path) is None
+
+
+def test_verify_divergence_restores_every_field_in_the_live_objects(verified, monkeypatch):
+    """One call by hand, on the activation check's batch: a kernel that gets
+    everything wrong (counters, in-flight set, the id sets, placeholder
+    sharing, flags) leaves exactly what vLLM's method leaves."""
+    verified(1.0)
+    from fastbatch import _verify
+
+    def all_wrong(scheduler, output, placeholders, request_type):
+        REAL_KERNEL(scheduler, output, placeholders, request_type)
+        for request in scheduler.requests.values():
+            request.num_in_flight_tokens += 1
+            request.is_prefill_chunk = not request.is_prefill_chunk
+            request.spec_token_ids = [-1, -1]
+        scheduler._inflight_prefills.clear()
+        scheduler.finished_req_ids.clear()
+        output.has_structured_output_requests = not output.has_structured_output_requests
+        return True
+
+    for cls, stock, checked_patch in ((Scheduler, STOCK, patch.PATCH),
+                                      (AsyncScheduler, ASYNC_STOCK, patch.ASYNC_PATCH)):
+        monkeypatch.setattr(fastbatch, "update_after_schedule", all_wrong)
+        checked_patch.divergences = 0
+        expected_scheduler, expected_output = patch._small_scheduler(cls, True, True)
+        stock(expected_scheduler, expected_output)
+        scheduler, output = patch._small_scheduler(cls, True, True)
+        old_finished, inflight = scheduler.finished_req_ids, scheduler._inflight_prefills
+        checked = _verify.checked_replacement(checked_patch, stock, 1.0)
+        assert checked(scheduler, output) is None
+        assert checked_patch.divergences == 1
+        assert (patch.scheduler_state(scheduler, output)
+                == patch.scheduler_state(expected_scheduler, expected_output))
+        assert scheduler._inflight_prefills is inflight and old_finished == {"gone"}
+        assert scheduler.finished_req_ids is not old_finished
+        monkeypatch.setattr(fastbatch, "update_after_schedule", REAL_KERNEL)
+
+
+def test_verify_sampled_rate_checks_some_calls(verified):
+    from fastbatch import _verify
+
+    verified(1.0)  # applied; the rate is forced below
+    for rate, low, high in ((0.5, 1, 39), (1.0, 40, 40), (0.0, 0, 0)):
+        patch.PATCH.checked = 0
+
+        def make_fast_sampled(workload, rate=rate):
+            scheduler = lockstep.make_scheduler(workload)
+            scheduler._update_after_schedule = MethodType(
+                _verify.checked_replacement(patch.PATCH, STOCK, rate), scheduler)
+            return scheduler
+
+        Lockstep(lockstep.WORKLOADS[0], seed=6, make_fast=make_fast_sampled).run(40)
+        assert low <= patch.PATCH.checked <= high
+        assert patch.PATCH.divergences == 0

@@ -388,3 +388,208 @@ def test_plugin_disable_by_the_deprecated_name_scheduler(monkeypatch, logs):
         vllm_plugin.revert()
     assert any("FASTBATCH_DISABLE=scheduler is deprecated" in line
                and "'allocate_slots'" in line for line in logs.at(logging.WARNING))
+
+
+# FASTBATCH_VERIFY: the shadow check ------------------------------------------
+# The patch is applied on the class with verify on; its checked method is then
+# bound on the fast side's own manager only, and the class put back to vLLM's
+# method for the stock side (the check runs vLLM's method on the fast side's
+# live state).
+
+VERIFY_WORKLOADS = lockstep.WORKLOADS
+VERIFY_STEPS = max(40, STEPS_PER_WORKLOAD // 2)
+
+
+@pytest.fixture
+def verified(monkeypatch, tmp_path):
+    """``verified(rate)``: the piece applied with verify ``rate`` and a
+    ``make_fast`` that binds its checked method on the fast side only;
+    reproducers go to tmp_path.  Stock again afterwards."""
+    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
+    assert registry.piece("allocate_slots").patches == (patch.PATCH,)  # names it
+    patch.PATCH.revert()
+    applied = []
+
+    def apply(rate=1.0):
+        assert patch.PATCH.apply(verify=rate)
+        checked = KVCacheManager.allocate_slots
+        assert getattr(checked, "__fastbatch__", False) and checked is not patch.allocate_slots
+        KVCacheManager.allocate_slots = STOCK
+        applied.append(checked)
+
+        def make_fast_checked(workload):
+            scheduler = lockstep.make_scheduler(workload)
+            manager = scheduler.kv_cache_manager
+            manager.allocate_slots = MethodType(checked, manager)
+            return scheduler
+
+        return make_fast_checked
+
+    yield apply
+    if applied:
+        KVCacheManager.allocate_slots = applied[0]
+    patch.PATCH.revert()
+    assert KVCacheManager.allocate_slots is STOCK
+
+
+@pytest.mark.parametrize("workload", VERIFY_WORKLOADS, ids=lambda w: w.name)
+def test_verify_no_false_divergence_in_lockstep(verified, workload):
+    make_fast_checked = verified(1.0)
+    _kernels.reset_stats()
+    harness = lockstep.Lockstep(workload, seed=31, make_fast=make_fast_checked)
+    harness.run(VERIFY_STEPS)  # the fast side's state stays stock's
+    counters = fastbatch.stats()["allocate_slots"]
+    assert counters["noop_allocations"] > 0 and counters["stock_allocations"] > 0
+    # Every call that fastbatch answered itself was checked, no other.
+    assert patch.PATCH.checked == counters["noop_allocations"]
+    assert patch.PATCH.divergences == 0 and patch.PATCH.reproducers == []
+
+
+def claims_nothing_to_allocate_late(real):
+    """fastbatch's answer, except that a running request with 100 computed
+    tokens or more (the activation check's requests never get there) is told
+    "nothing to allocate" even where it needs a block."""
+    def buggy(self, request, num_new_tokens, *args, **kwargs):
+        if request.num_computed_tokens >= 100 and not args and not any(
+                kwargs.get(name) for name in ("num_lookahead_tokens", "new_computed_blocks",
+                                              "num_new_computed_tokens")):
+            return self.empty_kv_cache_blocks
+        return real(self, request, num_new_tokens, *args, **kwargs)
+    return buggy
+
+
+def test_verify_planted_bug_is_caught_and_vllm_result_stands(verified, monkeypatch, logs):
+    make_fast_checked = verified(1.0)
+    real = patch.PATCH.replacement
+    # planted after apply: the activation check passed on the real piece
+    monkeypatch.setattr(patch.PATCH, "replacement", claims_nothing_to_allocate_late(real))
+    stock_calls = []
+    harness = lockstep.Lockstep(lockstep.WORKLOADS[0], seed=3, make_fast=make_fast_checked)
+    # The lockstep compares every step: the fast side's KV cache, block
+    # tables and scheduler outputs (the call's returned blocks) stay stock's.
+    while patch.PATCH.divergences == 0 and harness.steps < 400:
+        harness.step()
+    assert patch.PATCH.divergences == 1
+    (path,) = patch.PATCH.reproducers
+    assert os.path.dirname(path) == os.environ["FASTBATCH_VERIFY_DIR"]
+    (error,) = [line for line in logs.at(logging.ERROR) if "FASTBATCH_VERIFY" in line]
+    assert "'allocate_slots'" in error and "returned 'empty_kv_cache_blocks'" in error
+    # From now on every call goes to vLLM's method: fastbatch's is not called.
+    checked = patch.PATCH.checked
+
+    def must_not_run(*args, **kwargs):
+        stock_calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(patch.PATCH, "replacement", must_not_run)
+    harness.run(30)
+    assert stock_calls == [] and patch.PATCH.checked == checked
+    assert patch.PATCH.divergences == 1
+    monkeypatch.setattr(patch.PATCH, "replacement", claims_nothing_to_allocate_late(real))
+    # The reproducer replays the divergence, and no longer once the bug is gone.
+    problem = vllm_plugin.replay(path)
+    assert problem is not None and "returned 'empty_kv_cache_blocks'" in problem
+    monkeypatch.setattr(patch.PATCH, "replacement", real)
+    assert vllm_plugin.replay(path) is None
+
+
+def test_verify_divergence_returns_vllms_blocks_and_keeps_its_allocation(verified, monkeypatch):
+    """One call, by hand: fastbatch wrongly says "nothing to allocate" at a
+    block boundary; the call returns vLLM's new block, which vLLM's method
+    put in the request's block table, exactly as a stock call does."""
+    verified(1.0)
+    from vllm.v1.request import RequestStatus
+
+    sides = []
+    for _ in range(2):
+        manager, request = patch._small_manager(True), patch._small_request("a")
+        manager.allocate_slots(request, request.num_tokens)  # the prompt: 2 blocks of 4
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = request.num_tokens
+        request.append_output_token_ids([30, 31])  # 8 tokens: the next one needs block 3
+        request.num_computed_tokens = 8
+        request.append_output_token_ids(32)
+        sides.append((manager, request))
+    (stock_manager, stock_request), (manager, request) = sides
+    expected = STOCK(stock_manager, stock_request, 1)
+    assert expected is not stock_manager.empty_kv_cache_blocks  # a new block
+
+    def always_empty(self, request, num_new_tokens, *args, **kwargs):
+        return self.empty_kv_cache_blocks
+
+    monkeypatch.setattr(patch.PATCH, "replacement", always_empty)
+    checked_method = _checked_method()
+    got = checked_method(manager, request, 1)
+    assert patch.PATCH.divergences == 1 and patch.PATCH.checked == 1
+    assert got.get_block_ids() == expected.get_block_ids()
+    assert patch.kv_manager_state(manager) == patch.kv_manager_state(stock_manager)
+    # The next call goes to vLLM's method (always_empty would answer otherwise).
+    request.num_computed_tokens += 1
+    request.append_output_token_ids(33)
+    stock_request.num_computed_tokens += 1
+    stock_request.append_output_token_ids(33)
+    assert (checked_method(manager, request, 1).get_block_ids()
+            == STOCK(stock_manager, stock_request, 1).get_block_ids())
+    assert patch.PATCH.checked == 1
+
+
+def _checked_method(rate=1.0):
+    """The piece's checked method, as ``apply(verify=rate)`` installs it."""
+    from fastbatch import _verify
+
+    return _verify.checked_replacement(patch.PATCH, STOCK, rate)
+
+
+def test_verify_calls_handed_to_vllm_are_not_checked_nor_run_twice(verified, monkeypatch):
+    verified(1.0)
+    calls = []
+
+    def counting_stock(*args):
+        calls.append(args[1].request_id)
+        return STOCK(*args)
+
+    compiled_piece.bind(counting_stock, patch.kinds())
+    manager, request = patch._small_manager(True), patch._small_request("a")
+    checked = _checked_method()
+    result = checked(manager, request, request.num_tokens)  # a prefill: vLLM's method
+    assert result is not None and calls == ["a"] and patch.PATCH.checked == 0
+
+
+def test_verify_sampled_rate_checks_some_calls(verified):
+    from vllm.v1.request import RequestStatus
+
+    verified(1.0)  # applied (and bound to vLLM's method); the rate is forced below
+    for rate, low, high in ((0.5, 1, 59), (1.0, 60, 60), (0.0, 0, 0)):
+        patch.PATCH.checked = 0
+        checked = _checked_method(rate)
+        for index in range(60):
+            manager, request = patch._small_manager(True), patch._small_request(f"r{index}")
+            STOCK(manager, request, request.num_tokens)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = request.num_tokens
+            request.append_output_token_ids(40)
+            checked(manager, request, 1)  # a no-op: 7 tokens in 2 blocks of 4
+        assert low <= patch.PATCH.checked <= high
+        assert patch.PATCH.divergences == 0
+
+
+
+def test_verify_suspended_calls_are_not_checked(verified):
+    """``_verify.suspended()`` (for other pieces' activation checks, which run
+    real managers through the installed method): fastbatch's answer, unchecked."""
+    from vllm.v1.request import RequestStatus
+
+    from fastbatch import _verify
+
+    verified(1.0)
+    checked = _checked_method()
+    manager, request = patch._small_manager(True), patch._small_request("a")
+    STOCK(manager, request, request.num_tokens)
+    request.status = RequestStatus.RUNNING
+    request.num_computed_tokens = request.num_tokens
+    request.append_output_token_ids(40)
+    with _verify.suspended():
+        assert checked(manager, request, 1) is manager.empty_kv_cache_blocks
+    assert patch.PATCH.checked == 0
+    assert checked(manager, request, 1) is manager.empty_kv_cache_blocks
+    assert patch.PATCH.checked == 1

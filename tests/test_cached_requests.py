@@ -19,6 +19,7 @@ vLLM's method; bad input; the guard, the activation check, the plugin; leaks.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 from types import MethodType, SimpleNamespace
 
@@ -226,3 +227,132 @@ def test_plugin_applies_and_reverts(monkeypatch):
         assert vllm_plugin.status()["patches"]["cached_requests"] is False
     finally:
         vllm_plugin.revert()
+
+
+# FASTBATCH_VERIFY: the shadow check ------------------------------------------
+# The patch is applied on the class with verify on; its checked method is then
+# bound on the fast side's own scheduler only, and the class put back to
+# vLLM's method for the stock side.
+
+REAL_KERNEL = fastbatch.cached_request_lists
+VERIFY_STEPS = max(40, STEPS_PER_WORKLOAD // 2)
+
+
+@pytest.fixture
+def verified(monkeypatch, tmp_path):
+    """``verified(rate)``: the piece applied with verify ``rate``; returns a
+    ``make_fast`` that binds its checked method on the fast side only.
+    Reproducers go to tmp_path.  Stock again afterwards."""
+    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
+    assert registry.piece("cached_requests").patches == (patch.PATCH,)  # names it
+    patch.PATCH.revert()
+    applied = []
+
+    def apply(rate=1.0):
+        assert patch.PATCH.apply(verify=rate)
+        checked = vars(Scheduler)["_make_cached_request_data"]
+        assert getattr(checked, "__fastbatch__", False)
+        assert checked is not patch._make_cached_request_data
+        Scheduler._make_cached_request_data = STOCK
+        applied.append(checked)
+
+        def make_fast_checked(workload):
+            scheduler = lockstep.make_scheduler(workload)
+            scheduler._make_cached_request_data = MethodType(checked, scheduler)
+            return scheduler
+
+        return make_fast_checked
+
+    yield apply
+    if applied:
+        Scheduler._make_cached_request_data = applied[0]
+    patch.PATCH.revert()
+    assert Scheduler._make_cached_request_data is STOCK
+
+
+@pytest.mark.parametrize("workload", lockstep.WORKLOADS, ids=lambda w: w.name)
+def test_verify_no_false_divergence_in_lockstep(verified, workload):
+    harness = lockstep.Lockstep(workload, seed=35, make_fast=verified(1.0))
+    harness.run(VERIFY_STEPS)  # the fast side's outputs stay stock's, every step
+    assert patch.PATCH.checked == VERIFY_STEPS  # one call per step, every one checked
+    assert patch.PATCH.divergences == 0
+
+
+def wrong_for_big_batches(calls):
+    """The real kernel, then, for more than 5 requests (the activation check
+    has 5), the last request's computed-token count plus one."""
+    def kernel(running, resumed, new_blocks, previous, kinds):
+        calls.append(len(running) + len(resumed))
+        lists = REAL_KERNEL(running, resumed, new_blocks, previous, kinds)
+        if len(running) + len(resumed) > 5:
+            lists[4][-1] += 1
+        return lists
+    return kernel
+
+
+def test_verify_planted_bug_is_caught_and_vllm_result_stands(verified, monkeypatch, logs):
+    harness = lockstep.Lockstep(lockstep.WORKLOADS[0], seed=2, make_fast=verified(1.0))
+    calls = []
+    # planted after apply: the activation check passed on the real kernel
+    monkeypatch.setattr(fastbatch, "cached_request_lists", wrong_for_big_batches(calls))
+    # The lockstep compares every scheduler output: the fast side's stays stock's.
+    while patch.PATCH.divergences == 0 and harness.steps < 200:
+        harness.step()
+    assert patch.PATCH.divergences == 1 and calls[-1] > 5
+    (path,) = patch.PATCH.reproducers
+    assert os.path.dirname(path) == os.environ["FASTBATCH_VERIFY_DIR"]
+    (error,) = [line for line in logs.at(logging.ERROR) if "FASTBATCH_VERIFY" in line]
+    assert "'cached_requests'" in error and "num_computed_tokens" in error
+    # From now on vLLM's method runs: the kernel is not called.
+    num_calls, checked = len(calls), patch.PATCH.checked
+    harness.run(20)
+    assert len(calls) == num_calls and patch.PATCH.checked == checked
+    # The reproducer replays the divergence, and no longer once the bug is gone.
+    assert "num_computed_tokens" in vllm_plugin.replay(path)
+    monkeypatch.setattr(fastbatch, "cached_request_lists", REAL_KERNEL)
+    assert vllm_plugin.replay(path) is None
+
+
+def test_verify_a_request_own_token_list_is_a_divergence(verified, monkeypatch):
+    """Values alone are not enough: the token lists sent must be copies."""
+    from fastbatch import _verify
+
+    verified(1.0)
+
+    def shares_token_lists(running, resumed, new_blocks, previous, kinds):
+        lists = REAL_KERNEL(running, resumed, new_blocks, previous, kinds)
+        for request in running + resumed:
+            if request.request_id in lists[2]:
+                lists[2][request.request_id] = request._all_token_ids
+        return lists
+
+    monkeypatch.setattr(fastbatch, "cached_request_lists", shares_token_lists)
+    running, resumed, new_blocks = patch._small_batch()
+    scheduler = SimpleNamespace(
+        use_pp=False, scheduler_config=SimpleNamespace(async_scheduling=False),
+        use_v2_model_runner=False, prev_step_scheduled_req_ids={"r1", "r4"})
+    expected = STOCK(scheduler, running, resumed, {}, {}, new_blocks)
+    checked = _verify.checked_replacement(patch.PATCH, STOCK, 1.0)
+    got = checked(scheduler, running, resumed, {}, {}, new_blocks)
+    assert patch.PATCH.divergences == 1
+    assert patch.cached_request_state(got) == patch.cached_request_state(expected)
+    own = [request._all_token_ids for request in running + resumed]
+    assert not any(ids is mine for ids in got.all_token_ids.values() for mine in own)
+
+
+def test_verify_sampled_rate_checks_some_calls(verified):
+    from fastbatch import _verify
+
+    verified(1.0)  # applied; the rate is forced below
+    for rate, low, high in ((0.5, 1, 39), (1.0, 40, 40), (0.0, 0, 0)):
+        patch.PATCH.checked = 0
+
+        def make_fast_sampled(workload, rate=rate):
+            scheduler = lockstep.make_scheduler(workload)
+            scheduler._make_cached_request_data = MethodType(
+                _verify.checked_replacement(patch.PATCH, STOCK, rate), scheduler)
+            return scheduler
+
+        lockstep.Lockstep(lockstep.WORKLOADS[0], seed=6, make_fast=make_fast_sampled).run(40)
+        assert low <= patch.PATCH.checked <= high
+        assert patch.PATCH.divergences == 0

@@ -33,7 +33,8 @@ pytestmark = pytest.mark.vllm
 # Every piece (by FASTBATCH_DISABLE name), and those with a shadow check: with
 # FASTBATCH_VERIFY on, the others stay stock.
 PIECES = {piece.name: piece for piece in registry.pieces()}
-SHADOWED = ("async_output_token_ids", "async_spec_token_ids", "penalty_output_tokens")
+SHADOWED = tuple(piece.name for piece in PIECES.values()
+                 if all(patch.shadow for patch in piece.patches if patch.requires is None))
 REAL_OUTPUT_KERNEL = fastbatch.update_async_output_token_ids
 REAL_SPEC_KERNEL = fastbatch.update_async_spec_token_ids
 REAL_TENSOR_KERNEL = fastbatch.output_tokens_tensor

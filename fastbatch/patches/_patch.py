@@ -190,7 +190,8 @@ class Patch:
             logger.warning("fastbatch: %s; patching anyway because FASTBATCH=force",
                            problem)
         try:
-            disagreement = self.activation_check(method, self.replacement)
+            with _verify.suspended():  # other pieces' checked calls are not traffic
+                disagreement = self.activation_check(method, self.replacement)
         except Exception as exc:  # any failure at all means: stay stock
             disagreement = f"the check raised {type(exc).__name__}: {exc}"
         if disagreement is not None:

@@ -32,6 +32,20 @@ async one's replacement also stands in for the base method it calls) and the
 side by side on small real ``Request`` objects, for both classes, with and
 without deferred block freeing, spec tokens, structured output and the Model
 Runner V2 branch.
+
+Shadow check (``FASTBATCH_VERIFY``, one on each patch): before the call each
+scheduled request's fields that the methods read and write are copied (its
+token list is shared: only its length is read), with the scheduler's and the
+scheduler output's fields, the ids in ``_inflight_prefills`` and the two id
+sets the method replaces.  vLLM's method runs on stand-ins built from the copy
+(real ``Request``/scheduler classes built without ``__init__``; while vLLM's
+async method runs there, ``Scheduler`` holds vLLM's own base method for its
+``super()`` call).  Compared: every written field of each scheduled request
+(value and type), which requests hold the scheduler's one placeholder list,
+the in-flight prefills, the new id sets (and that the old set objects, which
+the scheduler output holds, keep their content), the placeholder list and the
+output's two flags.  On a divergence vLLM's values are put in the live
+requests, the same in-flight set object, the scheduler and the output.
 """
 
 from __future__ import annotations
@@ -40,7 +54,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import fastbatch
-from fastbatch.patches._patch import Patch
+from fastbatch.patches._patch import Patch, Shadow
 
 MODULE = "vllm.v1.core.sched.scheduler"
 ASYNC_MODULE = "vllm.v1.core.sched.async_scheduler"
@@ -222,13 +236,229 @@ def async_activation_check(method: Any, replacement: Any) -> str | None:
     return _check(AsyncScheduler, method, replacement)
 
 
+# The shadow check (FASTBATCH_VERIFY) ---------------------------------------
+
+# What the methods read of a scheduled request (besides its id), and what they write.
+_READ = ("num_computed_tokens", "num_in_flight_tokens", "num_output_placeholders",
+         "is_prefill_chunk", "last_sched_seq", "spec_token_ids", "next_decode_eligible_step",
+         "_all_token_ids", "structured_output_request")
+_WRITTEN = ("num_computed_tokens", "num_in_flight_tokens", "last_sched_seq", "is_prefill_chunk",
+            "num_output_placeholders", "spec_token_ids", "next_decode_eligible_step")
+_SCHEDULER_READ = ("defer_block_free", "sched_step_seq", "num_sampled_tokens_per_step",
+                   "use_v2_model_runner", "current_step", "decode_stagger",
+                   "_spec_token_placeholders")
+_OUTPUT_READ = ("num_scheduled_tokens", "scheduled_spec_decode_tokens",
+                "num_spec_tokens_to_schedule", "has_structured_output_requests",
+                "pending_structured_output_tokens")
+_MISSING = "<missing>"  # an attribute the object does not have (compared by value)
+
+
+def _missing(value: Any) -> bool:
+    return type(value) is str and value == _MISSING
+
+
+def _snapshot(scheduler: Any, scheduler_output: Any, *, is_async: bool) -> dict[str, Any]:
+    """What the method reads and writes, as values: per scheduled request its
+    fields (its token list is shared: only its length is read), the
+    scheduler's and the output's fields, the ids in ``_inflight_prefills``
+    and the two id sets the method replaces (copied); and, kept for
+    ``_restore`` only, the live set objects and the in-flight requests."""
+    requests = scheduler.requests
+    scheduled = {}
+    for req_id in scheduler_output.num_scheduled_tokens:
+        request = requests.get(req_id)
+        if request is not None:
+            scheduled[req_id] = {name: getattr(request, name, _MISSING) for name in _READ}
+    inflight = list(scheduler._inflight_prefills)
+    return {
+        "is_async": is_async, "requests": scheduled,
+        "scheduler": {name: getattr(scheduler, name, _MISSING) for name in _SCHEDULER_READ},
+        "output": {name: getattr(scheduler_output, name, _MISSING) for name in _OUTPUT_READ},
+        # (request id, whether it is the scheduler's request of that id)
+        "inflight_prefills": [(request.request_id, requests.get(request.request_id) is request)
+                              for request in inflight],
+        "finished_req_ids": set(scheduler.finished_req_ids),
+        "reset_preempted_req_ids": set(scheduler.reset_preempted_req_ids),
+        "live": {"inflight": inflight, "finished_req_ids": scheduler.finished_req_ids,
+                 "reset_preempted_req_ids": scheduler.reset_preempted_req_ids},
+    }
+
+
+def _snapshot_sync(scheduler: Any, scheduler_output: Any) -> dict[str, Any]:
+    return _snapshot(scheduler, scheduler_output, is_async=False)
+
+
+def _snapshot_async(scheduler: Any, scheduler_output: Any) -> dict[str, Any]:
+    return _snapshot(scheduler, scheduler_output, is_async=True)
+
+
+def _stand_in_request(fields: dict[str, Any], req_id: str) -> Any:
+    """A real ``Request`` (built without ``__init__``) with the fields the
+    methods read, copied: what the compiled pass and vLLM's methods see."""
+    request = _REQUEST.__new__(_REQUEST)
+    values = {name: value for name, value in fields.items() if not _missing(value)}
+    values["request_id"] = req_id
+    vars(request).update(values)
+    return request
+
+
+def _outcome_of(scheduler: Any, output: Any, scheduled: list[str], old_sets: dict[str, Any],
+                saved_sets: dict[str, set[str]]) -> dict[str, Any]:
+    """What the method changed, as plain data: per scheduled request its
+    written fields (value and type) and whether it holds the scheduler's
+    placeholder list; the in-flight prefills' ids; the two id sets (their
+    content, whether they are new objects, and whether the old objects kept
+    their content, which the scheduler output still holds); the placeholder
+    list; the output's two flags."""
+    placeholders = getattr(scheduler, "_spec_token_placeholders", _MISSING)
+    requests = {}
+    for req_id in scheduled:
+        request = scheduler.requests.get(req_id)
+        if request is not None:
+            requests[req_id] = (
+                [(name, type(value := getattr(request, name, _MISSING)), value)
+                 for name in _WRITTEN],
+                getattr(request, "spec_token_ids", None) is placeholders)
+    return {
+        "requests": requests,
+        "inflight_prefills": sorted(request if isinstance(request, str) else request.request_id
+                                    for request in scheduler._inflight_prefills),
+        **{name: (sorted(new := getattr(scheduler, name)), new is not old_sets[name],
+                  old_sets[name] == saved_sets[name])
+           for name in ("finished_req_ids", "reset_preempted_req_ids")},
+        "spec_token_placeholders": placeholders if _missing(placeholders)
+        else (type(placeholders), list(placeholders)),
+        "flags": [(name, type(value := getattr(output, name, _MISSING)), value)
+                  for name in ("has_structured_output_requests",
+                               "pending_structured_output_tokens")],
+    }
+
+
+def _outcome(inputs: dict[str, Any], result: None, scheduler: Any,
+             scheduler_output: Any) -> dict[str, Any]:
+    live = inputs["live"]
+    return _outcome_of(scheduler, scheduler_output, list(inputs["requests"]),
+                       {name: live[name] for name in ("finished_req_ids",
+                                                      "reset_preempted_req_ids")},
+                       {name: inputs[name] for name in ("finished_req_ids",
+                                                        "reset_preempted_req_ids")})
+
+
+def _run(function: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    """``function`` on a stand-in scheduler (vLLM's class, built without
+    ``__init__``) of stand-in requests, a copy of the in-flight set and of
+    the two id sets, and a stand-in scheduler output.  vLLM's async method
+    calls the base method through ``super()``: while it runs here, the base
+    class holds vLLM's own base method (the scheduler runs in one thread)."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if _REQUEST is None:
+        _bind()
+    cls = AsyncScheduler if inputs["is_async"] else Scheduler
+    scheduler = cls.__new__(cls)
+    stand_ins = {req_id: _stand_in_request(fields, req_id)
+                 for req_id, fields in inputs["requests"].items()}
+    scheduler.requests = stand_ins
+    for name, value in inputs["scheduler"].items():
+        if not _missing(value):
+            setattr(scheduler, name, value)
+    # Requests that are not the scheduler's stand-ins enter as their ids (the
+    # method never finds them: it discards only the scheduled requests).
+    scheduler._inflight_prefills = {stand_ins[req_id] if own and req_id in stand_ins else req_id
+                                    for req_id, own in inputs["inflight_prefills"]}
+    saved = {name: set(inputs[name]) for name in ("finished_req_ids", "reset_preempted_req_ids")}
+    old = {name: set(value) for name, value in saved.items()}
+    scheduler.finished_req_ids = old["finished_req_ids"]
+    scheduler.reset_preempted_req_ids = old["reset_preempted_req_ids"]
+    output = SimpleNamespace(**{name: value for name, value in inputs["output"].items()
+                                if not _missing(value)})
+    base = PATCH.original()
+    stored = Scheduler.__dict__["_update_after_schedule"]
+    if inputs["is_async"] and base is not None:
+        Scheduler._update_after_schedule = base
+    try:
+        function(scheduler, output)
+    finally:
+        Scheduler._update_after_schedule = stored
+    return _outcome_of(scheduler, output, list(inputs["requests"]), old, saved)
+
+
+def _compare(ours: dict[str, Any], stock: dict[str, Any]) -> str | None:
+    for key, expected in stock.items():
+        got = ours[key]
+        if key == "requests":
+            for req_id, request in expected.items():
+                if got.get(req_id) != request:
+                    return (f"request {req_id!r}: fastbatch left (field, type, value) and "
+                            f"'holds the placeholder list' {got.get(req_id)}, vLLM {request}")
+        if got != expected:
+            return f"{key}: fastbatch left {got!r}, vLLM {expected!r}"
+    return None
+
+
+def _restore(inputs: dict[str, Any], stock: dict[str, Any], result: None, scheduler: Any,
+             scheduler_output: Any) -> None:
+    """vLLM's outcome put in the live objects: the requests' fields, the
+    in-flight set (the same set object), new id sets (the old objects get
+    their content back), the placeholder list, the output's flags."""
+    live = inputs["live"]
+    placeholders = stock["spec_token_placeholders"]
+    if not _missing(placeholders):
+        scheduler._spec_token_placeholders = placeholders[0](placeholders[1])
+    for req_id, (fields, holds_placeholders) in stock["requests"].items():
+        request = scheduler.requests[req_id]
+        for name, _, value in fields:
+            if name == "spec_token_ids" and holds_placeholders:
+                value = scheduler._spec_token_placeholders
+            elif name == "spec_token_ids":
+                value = inputs["requests"][req_id]["spec_token_ids"]
+            if _missing(value):
+                vars(request).pop(name, None)
+            else:
+                setattr(request, name, value)
+    inflight = scheduler._inflight_prefills
+    keep = set(stock["inflight_prefills"])
+    inflight.clear()
+    inflight.update(request for request in live["inflight"] if request.request_id in keep)
+    for name in ("finished_req_ids", "reset_preempted_req_ids"):
+        old = live[name]
+        old.clear()
+        old.update(inputs[name])
+        content, is_new, _ = stock[name]
+        setattr(scheduler, name, set(content) if is_new else old)
+    for name, _, value in stock["flags"]:
+        if not _missing(value):
+            setattr(scheduler_output, name, value)
+
+
+def _for_reproducer(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The inputs without the live objects, the token lists copied, and a
+    structured-output request as a stand-in (only ``is not None`` is read)."""
+    requests = {}
+    for req_id, fields in inputs["requests"].items():
+        fields = dict(fields)
+        fields["_all_token_ids"] = list(fields["_all_token_ids"])
+        if not (fields["structured_output_request"] is None
+                or _missing(fields["structured_output_request"])):
+            fields["structured_output_request"] = SimpleNamespace()
+        requests[req_id] = fields
+    return {**{key: value for key, value in inputs.items() if key != "live"},
+            "requests": requests}
+
+
+SHADOW = Shadow(snapshot=_snapshot_sync, run=_run, outcome=_outcome, restore=_restore,
+                compare=_compare, for_reproducer=_for_reproducer)
+ASYNC_SHADOW = Shadow(snapshot=_snapshot_async, run=_run, outcome=_outcome, restore=_restore,
+                      compare=_compare, for_reproducer=_for_reproducer)
+
 PATCH = Patch(f"{MODULE}:Scheduler._update_after_schedule", _update_after_schedule,
               fingerprints=VERIFIED_FINGERPRINTS, activation_check=activation_check,
-              companions=COMPANION_FINGERPRINTS)
+              companions=COMPANION_FINGERPRINTS, shadow=SHADOW)
 ASYNC_PATCH = Patch(f"{ASYNC_MODULE}:AsyncScheduler._update_after_schedule",
                     _update_after_schedule_async, fingerprints=ASYNC_FINGERPRINTS,
                     activation_check=async_activation_check,
-                    companions=ASYNC_COMPANION_FINGERPRINTS)
+                    companions=ASYNC_COMPANION_FINGERPRINTS, shadow=ASYNC_SHADOW)
 
 # The async one first: its guard fingerprints the base method, which must
 # still be vLLM's then.

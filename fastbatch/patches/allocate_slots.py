@@ -35,6 +35,22 @@ the fields they return); the activation check also refuses when the coordinator 
 full-attention manager class overrides any of those, and runs stock and
 fastbatch side by side on two small real KV-cache managers (prefix caching
 on and off, across block boundaries).
+
+Shadow check (``FASTBATCH_VERIFY``): only the calls that fastbatch answers
+itself are checked (``Shadow.check``: the pieces' ``stock_allocations``
+counter did not move, so vLLM's method was not called); a call handed to
+vLLM's method has nothing to check, and vLLM's method is not run twice.
+Nothing is copied: on the "nothing to allocate" answer vLLM's method changes
+nothing, so it runs right after, on the same live manager and request, and
+that is the check.  Compared: what each returned (``empty_kv_cache_blocks``,
+None, or new block ids) and what each changed (per KV-cache group the
+request's block ids, cached block count and pending partial hit; the free
+block count).  On a divergence vLLM's method has already acted in place: its
+allocation stands and the call returns what it returned.  The reproducer
+holds what a one-group manager and the request are rebuilt from (``_rebuild``:
+the KV-cache config and the manager's sizes, the request's tokens, counters
+and status, its block count, cached blocks and the free count before the
+call, the call's arguments); ``replay`` runs each side on a fresh rebuild.
 """
 
 from __future__ import annotations
@@ -42,7 +58,8 @@ from __future__ import annotations
 from typing import Any
 
 import fastbatch
-from fastbatch.patches._patch import Patch
+from fastbatch import _reference
+from fastbatch.patches._patch import Patch, Shadow
 
 MODULE = "vllm.v1.core.kv_cache_manager"
 COORDINATOR = "vllm.v1.core.kv_cache_coordinator"
@@ -234,6 +251,198 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     return None
 
 
+# The shadow check (FASTBATCH_VERIFY) ---------------------------------------
+
+_ARGUMENTS = ("num_new_tokens", "num_new_computed_tokens", "new_computed_blocks",
+              "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks",
+              "num_encoder_tokens", "full_sequence_must_fit", "reserved_blocks",
+              "has_scheduled_reqs", "skip_zeroing_group_ids")
+
+
+def _stock_allocations() -> int:
+    """How many calls the pieces (compiled and twin) have handed to vLLM's method."""
+    count = _reference.allocate_slots.stats()["stock_allocations"]
+    if fastbatch.COMPILED:
+        count += _piece.stats()["stock_allocations"]
+    return count
+
+
+def _state(manager: Any, request_id: str) -> tuple[Any, ...]:
+    """What ``allocate_slots`` can change for ``request_id``, as plain data:
+    per KV-cache group the request's block ids, cached block count and
+    pending partial hit; the free block count."""
+    return (tuple(
+        (None if (blocks := dict.get(single.req_to_blocks, request_id)) is None
+         else [block.block_id for block in blocks],
+         dict.get(single.num_cached_block, request_id), request_id in single._partial_hit_reqs)
+        for single in manager.coordinator.single_type_managers),
+        manager.block_pool.get_num_free_blocks())
+
+
+def _snapshot(self: Any, request: Any, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
+    """The live manager and request (kept, not copied: see ``_run``), the
+    call's arguments (by name), the request's KV-cache state and how many
+    calls the piece has handed to vLLM's method so far; None (not checked)
+    for more arguments than vLLM's method takes (it raises)."""
+    if len(args) > len(_ARGUMENTS):
+        return None
+    arguments = dict(zip(_ARGUMENTS[:len(args)], args, strict=True))
+    arguments.update(kwargs)
+    return {"manager": self, "request": request, "arguments": arguments,
+            "before": _state(self, request.request_id), "stock_calls": _stock_allocations()}
+
+
+def _check(inputs: dict[str, Any], result: Any, *args: Any, **kwargs: Any) -> bool:
+    """Only the calls that fastbatch answered itself (it did not call vLLM's method)."""
+    return _stock_allocations() == inputs["stock_calls"]
+
+
+class _Answer:
+    """An outcome: what the call returned (``"empty_kv_cache_blocks"``,
+    None, or the new blocks' ids) and what it changed (plain data); the
+    returned object itself rides along for ``_restore`` but is neither
+    compared nor pickled."""
+
+    def __init__(self, manager: Any, result: Any, before: Any, after: Any) -> None:
+        self.returned = ("empty_kv_cache_blocks" if result is manager.empty_kv_cache_blocks
+                         else None if result is None else result.get_block_ids())
+        self.changed = None if before == after else (before, after)
+        self.result = result
+
+    def key(self) -> tuple[Any, Any]:
+        return self.returned, self.changed
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Answer) and self.key() == other.key()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"returned": self.returned, "changed": self.changed, "result": None}
+
+    def __repr__(self) -> str:
+        changed = ("changed nothing" if self.changed is None else
+                   f"changed (request's blocks, cached blocks, partial hit per group; free "
+                   f"blocks) from {self.changed[0]} to {self.changed[1]}")
+        return f"returned {self.returned!r} and {changed}"
+
+
+def _outcome(inputs: dict[str, Any], result: Any, self: Any, request: Any,
+             *args: Any, **kwargs: Any) -> _Answer:
+    return _Answer(self, result, inputs["before"], _state(self, request.request_id))
+
+
+def _run(function: Any, inputs: dict[str, Any]) -> _Answer:
+    """``function`` on the LIVE manager and request (``_snapshot``'s), right
+    after fastbatch's answer: fastbatch answered "nothing to allocate, nothing
+    changes", so vLLM's method, run now, sees the state it would have seen,
+    and where fastbatch was right it changes nothing; where it was wrong, what
+    vLLM's method did is its result, in place.  On a reproducer's inputs
+    (``_for_reproducer``) it runs on a manager and request rebuilt from them."""
+    if "manager" in inputs:
+        manager, request, arguments = inputs["manager"], inputs["request"], inputs["arguments"]
+    else:
+        manager, request, arguments = _rebuild(inputs)
+    before = _state(manager, request.request_id)
+    result = function(manager, request, **arguments)
+    return _Answer(manager, result, before, _state(manager, request.request_id))
+
+
+def _compare(ours: _Answer, stock: _Answer) -> str | None:
+    if ours == stock:
+        return None
+    return f"fastbatch {ours!r}; vLLM {stock!r}"
+
+
+def _restore(inputs: dict[str, Any], stock: _Answer, result: Any, *args: Any,
+             **kwargs: Any) -> Any:
+    """vLLM's method already ran on the live state (``_run``): what it
+    changed stands; the call returns what it returned."""
+    return stock.result
+
+
+def _for_reproducer(inputs: dict[str, Any]) -> dict[str, Any]:
+    """What a one-group manager and the request can be rebuilt from (see
+    ``_rebuild``): the KV-cache config and the manager's sizes, the request's
+    tokens, counters and status, its blocks, cached blocks and the free block
+    count as they were before the call, and the call's arguments
+    (``new_computed_blocks`` as block ids)."""
+    manager, request = inputs["manager"], inputs["request"]
+    coordinator = manager.coordinator
+    groups, free = inputs["before"]
+    arguments = dict(inputs["arguments"])
+    if arguments.get("new_computed_blocks") is not None:
+        arguments["new_computed_blocks"] = arguments["new_computed_blocks"].get_block_ids()
+    return {
+        "kv_cache_config": manager.kv_cache_config, "max_model_len": manager.max_model_len,
+        "scheduler_block_size": coordinator.scheduler_block_size,
+        "hash_block_size": manager.block_pool.hash_block_size,
+        "enable_caching": manager.enable_caching,
+        "num_reprefillable_tokens": coordinator.num_reprefillable_tokens,
+        "watermark_blocks": manager.watermark_blocks,
+        "request": {
+            "request_id": request.request_id,
+            "prompt_token_ids": list(request.prompt_token_ids or ()),
+            "output_token_ids": list(request.output_token_ids),
+            "num_block_hashes": len(request.block_hashes),
+            "num_computed_tokens": request.num_computed_tokens,
+            "num_in_flight_tokens": request.num_in_flight_tokens,
+            "status": request.status.name,
+        },
+        "groups": groups, "free_blocks": free, "arguments": arguments,
+    }
+
+
+def _rebuild(inputs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    """A fresh manager of the reproducer's config and a request in the
+    recorded state: its blocks (fresh ones, as many as it held), cached
+    block count, counters and status, and other blocks taken so that the
+    free count is the recorded one; and the call's arguments.  Block ids and
+    hashes are the rebuild's own; vLLM's decision does not depend on them."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request, RequestStatus
+
+    reprefillable = inputs["num_reprefillable_tokens"]
+    manager = KVCacheManager(inputs["kv_cache_config"], max_model_len=inputs["max_model_len"],
+                             scheduler_block_size=inputs["scheduler_block_size"],
+                             hash_block_size=inputs["hash_block_size"],
+                             enable_caching=inputs["enable_caching"],
+                             num_prefill_lookahead=reprefillable + 1 if reprefillable else 0)
+    manager.watermark_blocks = inputs["watermark_blocks"]
+    recorded = inputs["request"]
+    init_none_hash(sha256)
+    request = Request(request_id=recorded["request_id"],
+                      prompt_token_ids=list(recorded["prompt_token_ids"]),
+                      sampling_params=SamplingParams(max_tokens=inputs["max_model_len"]),
+                      pooling_params=None, arrival_time=0.0,
+                      block_hasher=get_request_block_hasher(inputs["hash_block_size"], sha256))
+    request.append_output_token_ids(list(recorded["output_token_ids"]))
+    del request.block_hashes[recorded["num_block_hashes"]:]
+    request.num_computed_tokens = recorded["num_computed_tokens"]
+    request.num_in_flight_tokens = recorded["num_in_flight_tokens"]
+    request.status = RequestStatus[recorded["status"]]
+    pool = manager.block_pool
+    held = {block_id for blocks, _, _ in inputs["groups"] if blocks for block_id in blocks}
+    held.discard(pool.null_block.block_id)
+    pool.get_new_blocks(max(0, pool.get_num_free_blocks() - inputs["free_blocks"] - len(held)))
+    for single, (blocks, cached, _) in zip(manager.coordinator.single_type_managers,
+                                           inputs["groups"], strict=True):
+        if blocks is not None:
+            single.req_to_blocks[request.request_id] = pool.get_new_blocks(len(blocks))
+        if cached is not None:
+            single.num_cached_block[request.request_id] = cached
+    arguments = dict(inputs["arguments"])
+    if arguments.get("new_computed_blocks") is not None:
+        arguments["new_computed_blocks"] = KVCacheBlocks(tuple(
+            [KVCacheBlock(block_id) for block_id in group]
+            for group in arguments["new_computed_blocks"]))
+    return manager, request, arguments
+
+
+SHADOW = Shadow(snapshot=_snapshot, run=_run, outcome=_outcome, restore=_restore,
+                compare=_compare, for_reproducer=_for_reproducer, check=_check)
+
 PATCH = Patch(f"{MODULE}:KVCacheManager.allocate_slots", allocate_slots,
               fingerprints=VERIFIED_FINGERPRINTS, activation_check=activation_check,
-              companions=COMPANION_FINGERPRINTS)
+              companions=COMPANION_FINGERPRINTS, shadow=SHADOW)

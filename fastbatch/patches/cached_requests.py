@@ -27,6 +27,15 @@ The activation check also refuses a ``CachedRequestData`` whose fields are
 not the seven it fills, and runs stock and fastbatch side by side on small
 real requests and KV-cache blocks (running and resumed requests, new and
 empty blocks, two KV-cache groups, both model runners' branches).
+
+Shadow check (``FASTBATCH_VERIFY``): vLLM's method only reads, so only the
+two request lists are copied; it runs right after fastbatch's call on the same
+requests and blocks.  Compared: every field of the two ``CachedRequestData``
+in order (dicts by their items, in order), and that no token list sent is a
+request's own list.  On a divergence the call returns vLLM's.  The reproducer
+holds the fields the method reads of each request, and the blocks as ids.
+With pipeline parallelism and no async scheduling the call is vLLM's method
+itself: not checked.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import fastbatch
-from fastbatch.patches._patch import Patch
+from fastbatch.patches._patch import Patch, Shadow
 
 MODULE = "vllm.v1.core.sched.scheduler"
 
@@ -166,6 +175,132 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     return None
 
 
+# The shadow check (FASTBATCH_VERIFY) ---------------------------------------
+# vLLM's method changes nothing: it reads the requests, the blocks and four
+# scheduler fields, and builds a new CachedRequestData.  So the snapshot
+# keeps the live objects (the request lists copied: the caller's), vLLM's
+# method runs on them after fastbatch's call, and the two results are
+# compared; on a divergence the call returns vLLM's.
+
+
+def _snapshot(scheduler: Any, running_reqs: list[Any], resumed_reqs: list[Any],
+              num_scheduled_tokens: dict[str, int], spec_decode_tokens: dict[str, list[int]],
+              req_to_new_blocks: dict[str, Any]) -> dict[str, Any] | None:
+    """The live inputs (read only, kept), the request lists copied; None with
+    pipeline parallelism and no async scheduling, where fastbatch's call is
+    vLLM's method itself (nothing to check)."""
+    if scheduler.use_pp and not scheduler.scheduler_config.async_scheduling:
+        return None
+    return {
+        "scheduler": {"use_pp": scheduler.use_pp,
+                      "async_scheduling": scheduler.scheduler_config.async_scheduling,
+                      "use_v2_model_runner": scheduler.use_v2_model_runner,
+                      "prev_step_scheduled_req_ids": scheduler.prev_step_scheduled_req_ids},
+        "running_reqs": list(running_reqs), "resumed_reqs": list(resumed_reqs),
+        "num_scheduled_tokens": num_scheduled_tokens, "spec_decode_tokens": spec_decode_tokens,
+        "req_to_new_blocks": req_to_new_blocks,
+    }
+
+
+def _result_outcome(data: Any, requests: list[Any]) -> tuple[Any, list[bool]]:
+    """The ``CachedRequestData`` as plain data (``cached_request_state``), and
+    per token list sent whether it is a request's own list (it must be a copy)."""
+    own = {}
+    if data.all_token_ids:
+        own = {request.request_id: request._all_token_ids for request in requests}
+    return (cached_request_state(data),
+            [ids is own.get(req_id) for req_id, ids in data.all_token_ids.items()])
+
+
+def _outcome(inputs: dict[str, Any], result: Any, *args: Any) -> tuple[Any, list[bool]]:
+    return _result_outcome(result, inputs["running_reqs"] + inputs["resumed_reqs"])
+
+
+def _stand_in_requests(recorded: list[dict[str, Any]]) -> list[Any]:
+    """Real ``Request`` objects (built without ``__init__``) with the fields
+    the method reads, from a reproducer."""
+    from vllm.v1.request import Request
+    from vllm.v1.utils import ConstantList
+
+    requests = []
+    for fields in recorded:
+        request = Request.__new__(Request)
+        vars(request).update(fields)
+        request._all_token_ids = list(fields["_all_token_ids"])
+        request._output_token_ids = list(fields["_output_token_ids"])
+        request.all_token_ids = ConstantList(request._all_token_ids)
+        request.output_token_ids = ConstantList(request._output_token_ids)
+        requests.append(request)
+    return requests
+
+
+def _run(function: Any, inputs: dict[str, Any]) -> tuple[Any, list[bool]]:
+    """``function`` on a stand-in scheduler of the four fields it reads and
+    the live requests and blocks (it only reads them), or on stand-ins
+    rebuilt from a reproducer."""
+    fields = inputs["scheduler"]
+    scheduler = SimpleNamespace(
+        use_pp=fields["use_pp"],
+        scheduler_config=SimpleNamespace(async_scheduling=fields["async_scheduling"]),
+        use_v2_model_runner=fields["use_v2_model_runner"],
+        prev_step_scheduled_req_ids=fields["prev_step_scheduled_req_ids"])
+    running, resumed, blocks = (inputs["running_reqs"], inputs["resumed_reqs"],
+                                inputs["req_to_new_blocks"])
+    if inputs.get("reproducer"):
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+        running, resumed = _stand_in_requests(running), _stand_in_requests(resumed)
+        blocks = {req_id: KVCacheBlocks(tuple([KVCacheBlock(block_id) for block_id in group]
+                                              for group in groups))
+                  for req_id, groups in blocks.items()}
+    data = function(scheduler, running, resumed, inputs["num_scheduled_tokens"],
+                    inputs["spec_decode_tokens"], blocks)
+    return _result_outcome(data, running + resumed)
+
+
+def _compare(ours: tuple[Any, list[bool]], stock: tuple[Any, list[bool]]) -> str | None:
+    for (name, got), (_, expected) in zip(ours[0][0], stock[0][0], strict=True):
+        if got != expected:
+            return f"{name}: fastbatch gave {got!r}, vLLM {expected!r}"
+    if ours != stock:
+        return (f"a request's own token list sent (fastbatch {ours[1]}, vLLM {stock[1]}), "
+                f"or a field's type differs: fastbatch {ours[0]!r}, vLLM {stock[0]!r}")
+    return None
+
+
+def _restore(inputs: dict[str, Any], stock: tuple[Any, list[bool]], result: Any,
+             *args: Any) -> Any:
+    """vLLM's ``CachedRequestData``, rebuilt from its outcome (its lists are
+    vLLM's own: the outcome holds them)."""
+    if _CACHED_REQUEST_DATA is None:
+        _bind()
+    return _CACHED_REQUEST_DATA(**{name: dict(value) if name == "all_token_ids" else value
+                                   for name, value in stock[0][0]})
+
+
+def _for_reproducer(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The requests as the fields the method reads (copied), the blocks as
+    block ids per group."""
+    def recorded(requests: list[Any]) -> list[dict[str, Any]]:
+        return [{"request_id": request.request_id,
+                 "_all_token_ids": list(request._all_token_ids),
+                 "_output_token_ids": list(request._output_token_ids),
+                 "num_computed_tokens": request.num_computed_tokens,
+                 "num_output_placeholders": request.num_output_placeholders}
+                for request in requests]
+
+    return {**inputs, "reproducer": True,
+            "running_reqs": recorded(inputs["running_reqs"]),
+            "resumed_reqs": recorded(inputs["resumed_reqs"]),
+            "req_to_new_blocks": {req_id: tuple([block.block_id for block in group]
+                                                for group in blocks.blocks)
+                                  for req_id, blocks in inputs["req_to_new_blocks"].items()}}
+
+
+SHADOW = Shadow(snapshot=_snapshot, run=_run, outcome=_outcome, restore=_restore,
+                compare=_compare, for_reproducer=_for_reproducer)
+
 PATCH = Patch(f"{MODULE}:Scheduler._make_cached_request_data", _make_cached_request_data,
               fingerprints=VERIFIED_FINGERPRINTS, activation_check=activation_check,
-              companions=COMPANION_FINGERPRINTS)
+              companions=COMPANION_FINGERPRINTS, shadow=SHADOW)
