@@ -23,6 +23,7 @@ run where vLLM is not installed.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from dataclasses import dataclass, field
 from types import MethodType, SimpleNamespace
@@ -34,7 +35,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import fastbatch
-from fastbatch import _reference, registry
+from fastbatch import _reference, registry, vllm_plugin
 from fastbatch.patches import bookkeeping_sync as patch
 from leaks import assert_no_leak
 
@@ -526,3 +527,154 @@ def test_activation_check_passes_and_refuses_a_wrong_kernel(monkeypatch):
 
     monkeypatch.setattr(fastbatch, "append_sampled_token_ids", forgets_the_counts)
     assert patch.activation_check(vllm_method(), patch._bookkeeping_sync) is not None
+
+
+# --- FASTBATCH_VERIFY: the shadow check -----------------------------------------
+
+REAL_KERNEL = fastbatch.append_sampled_token_ids
+
+
+def kernel_wrong_for_big_batches(req_ids, requests, num_sampled_tokens, *rest):
+    """The real kernel, then for batches of more than four requests (the
+    activation check's have four) the first request's last token written
+    one off, an extra placeholder in its output list and its token count one
+    too many."""
+    found = REAL_KERNEL(req_ids, requests, num_sampled_tokens, *rest)
+    if num_sampled_tokens > 4:
+        num_tokens_no_spec, token_ids_cpu = rest[2], rest[3]
+        token_ids_cpu[0, num_tokens_no_spec[0] - 1] += 1
+        requests[req_ids[0]].output_token_ids.append(-1)
+        num_tokens_no_spec[0] += 1
+    return found
+
+
+def _verified(rate=1.0):
+    """The piece installed with ``rate`` of its calls checked (once)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if not PIECE.main.is_applied():
+        assert PIECE.apply(verify=rate)
+    assert PIECE.main.verify_rate == rate
+    return GPUModelRunner._bookkeeping_sync
+
+
+@pytest.fixture
+def verify_dir(monkeypatch, tmp_path):
+    """Reproducers go to tmp_path; the piece stock before and after."""
+    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
+    PIECE.revert()
+    yield tmp_path
+    PIECE.revert()
+
+
+@pytest.fixture(scope="module")
+def verified_piece():
+    PIECE.revert()
+    yield
+    PIECE.revert()
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("verified_piece")
+@settings(max_examples=EXAMPLES)
+@given(step=runner_steps())
+def test_verify_finds_no_divergence_on_real_steps(step):
+    """Every call checked against the real method (vLLM's exceptions
+    included): no divergence, and the runner as vLLM's method leaves it."""
+    note(repr(step))
+    method = _verified()
+    stock, ours = _runner(step), _runner(step)
+    checked = PIECE.main.checked
+    expected = _run_method(vllm_method(), *stock)
+    assert _run_method(method, *ours) == expected
+    assert _runner_state(*ours) == _runner_state(*stock)
+    _check_identities(ours[0])
+    assert PIECE.main.divergences == 0
+    assert PIECE.main.checked == checked + 1
+
+
+def _big_step(use_async):
+    """Six requests, the second discarded (with a generator); spec rows with
+    rejections when not async."""
+    return SimpleNamespace(
+        prompt_lens=[3, 4, 5, 2, 6, 1], outputs=[[7], [], [8, 9], [1], [2, 2], []],
+        removed=set(), condense=True, use_async=use_async, num_spec=0 if use_async else 2,
+        accepted=[0, 2, 1, 0, 2, 1], tokens=list(range(100, 100 + 6 * (1 if use_async else 3))),
+        discarded=[False, True, False, False, False, False], prev_sampled=False,
+        max_model_len=WIDTH)
+
+
+def _with_generator(runner):
+    runner.input_batch.generators[1] = patch.Generator(1000)  # offset-keeping stand-in
+    return runner
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("use_async", [True, False])
+def test_verify_catches_a_bug_the_activation_check_cannot_see(verify_dir, monkeypatch, logs,
+                                                             use_async):
+    method = _verified()  # the activation check passed with the real kernel
+    monkeypatch.setattr(fastbatch, "append_sampled_token_ids", kernel_wrong_for_big_batches)
+    small = _big_step(use_async)
+    small.prompt_lens, small.outputs = small.prompt_lens[:3], small.outputs[:3]
+    small.accepted, small.discarded = small.accepted[:3], small.discarded[:3]
+    small.tokens = small.tokens[:len(small.tokens) // 2]
+    assert _run_method(method, *_runner(small))[0] == "returned"  # small batches: right
+    assert PIECE.main.divergences == 0
+    step = _big_step(use_async)
+    stock, ours = _runner(step), _runner(step)
+    _with_generator(stock[0]), _with_generator(ours[0])
+    lists = {req_id: state.output_token_ids for req_id, state in ours[0].requests.items()}
+    expected = _run_method(vllm_method(), *stock)
+
+    got = _run_method(method, *ours)
+
+    assert got == expected and got[0] == "returned"  # vLLM's return value
+    assert _runner_state(*ours) == _runner_state(*stock)
+    _check_identities(ours[0])  # vLLM's lists, the very ones the batch shares
+    assert all(state.output_token_ids is lists[req_id]
+               for req_id, state in ours[0].requests.items())
+    assert ours[0].input_batch.generators[1].offset == 996
+    assert (PIECE.main.checked, PIECE.main.divergences) == (2, 1)
+    assert vllm_plugin.status()["verify"]["divergences"][NAME] == 1
+    (error,) = logs.at(logging.ERROR)
+    assert f"'{NAME}'" in error and "num_tokens_no_spec: fastbatch gave" in error
+
+    # The reproducer replays the divergence, and no longer with the real kernel.
+    (path,) = verify_dir.iterdir()
+    assert path.name.startswith(f"{NAME}-") and str(path) in error
+    assert "num_tokens_no_spec" in vllm_plugin.replay(str(path))
+    monkeypatch.setattr(fastbatch, "append_sampled_token_ids", REAL_KERNEL)
+    assert vllm_plugin.replay(str(path)) is None
+
+    # From now on the piece runs vLLM's code: the kernel is not called again.
+    monkeypatch.setattr(fastbatch, "append_sampled_token_ids", kernel_wrong_for_big_batches)
+    fastbatch.reset_stats()
+    again = _runner(step)
+    _with_generator(again[0])
+    assert _run_method(method, *again) == expected
+    assert _runner_state(*again) == _runner_state(*stock)
+    assert fastbatch.stats()[NAME]["calls"] == 0
+    assert (PIECE.main.checked, PIECE.main.divergences) == (2, 1)
+    assert len(list(verify_dir.iterdir())) == 1
+
+
+@pytest.mark.vllm
+def test_verify_sampled_checks_only_some_calls(verify_dir, monkeypatch):
+    import random
+
+    from fastbatch import _verify
+
+    monkeypatch.setattr(_verify, "random", SimpleNamespace(Random=lambda: random.Random(19)))
+    method = _verified(0.25)
+    draws = random.Random(19)
+    expected = sum(draws.random() < 0.25 for _ in range(100))
+    step = _big_step(True)
+    stock = _runner(step)
+    result = _run_method(vllm_method(), *stock)
+    for _ in range(100):
+        ours = _runner(step)
+        assert _run_method(method, *ours) == result
+        assert _runner_state(*ours) == _runner_state(*stock)
+    assert 0 < PIECE.main.checked == expected < 50
+    assert PIECE.main.divergences == 0

@@ -492,3 +492,133 @@ def test_patched_method_counts_its_work():
     GPUModelRunner._prepare_input_ids(call.runner, *call.arguments)
     stats = fastbatch.stats()[NAME]
     assert (stats["calls"], stats["common_requests"], stats["spec_tokens"]) == (1, 2, 1)
+
+
+# --- FASTBATCH_VERIFY: the shadow check -----------------------------------------
+
+REAL_KERNEL = fastbatch.prepare_input_ids_indices
+
+
+def kernel_wrong_for_big_batches(req_ids, prev_positions, cu_num_tokens, spec_tokens,
+                                 prev_num_spec_tokens, num_reqs):
+    """The real kernel, then for batches of more than six requests (the
+    activation check's have at most four) the previous rows of the common
+    requests reversed, and the fast path refused."""
+    common, spec, _, max_flattened_index = REAL_KERNEL(
+        req_ids, prev_positions, cu_num_tokens, spec_tokens, prev_num_spec_tokens, num_reqs)
+    if num_reqs > 6:
+        common = np.stack([common[0], common[1][::-1]])
+        return common, spec, False, max_flattened_index
+    return common, spec, _, max_flattened_index
+
+
+def _verified(rate=1.0):
+    """The piece installed with ``rate`` of its calls checked (once)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if not PIECE.main.is_applied():
+        assert PIECE.apply(verify=rate)
+    assert PIECE.main.verify_rate == rate
+    return GPUModelRunner._prepare_input_ids
+
+
+@pytest.fixture
+def verify_dir(monkeypatch, tmp_path):
+    """Reproducers go to tmp_path; the piece stock before and after."""
+    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
+    PIECE.revert()
+    yield tmp_path
+    PIECE.revert()
+
+
+@pytest.fixture(scope="module")
+def verified_piece():
+    PIECE.revert()
+    yield
+    PIECE.revert()
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("verified_piece")
+@given(keywords=runner_steps())
+def test_verify_finds_no_divergence_on_real_steps(keywords):
+    """Every call checked against the real method: no divergence, every
+    buffer as vLLM's method leaves it; the first step (no previous sampled
+    ids, no loop) is not checked."""
+    note(repr(keywords))
+    method = _verified()
+    stock, ours = stand_in_call(**keywords), stand_in_call(**keywords)
+    checked = PIECE.main.checked
+    vllm_method()(stock.runner, *stock.arguments)
+    assert method(ours.runner, *ours.arguments) is None
+    assert call_state(ours) == call_state(stock)
+    assert PIECE.main.divergences == 0
+    assert PIECE.main.checked == checked + keywords["prev_sampled"]
+
+
+BIG_STEP = dict(req_ids=[f"r{i}" for i in range(8)], prev_positions=[7, 6, 5, 4, 3, 2, 1, -1],
+                num_scheduled=[1, 2, 1, 1, 1, 1, 1, 3],
+                scheduled_spec_tokens={"r1": [-1]}, num_prev_reqs=8, prev_num_spec_tokens=1,
+                prompt_embeds=True, pp_work=True)
+
+
+@pytest.mark.vllm
+def test_verify_catches_a_bug_the_activation_check_cannot_see(verify_dir, monkeypatch, logs):
+    method = _verified()  # the activation check passed with the real kernel
+    monkeypatch.setattr(fastbatch, "prepare_input_ids_indices", kernel_wrong_for_big_batches)
+    small = dict(BIG_STEP, req_ids=["a", "b"], prev_positions=[1, 0], num_scheduled=[1, 1],
+                 scheduled_spec_tokens={})
+    call = stand_in_call(**small)
+    method(call.runner, *call.arguments)  # small batches: right
+    assert PIECE.main.divergences == 0
+    stock, ours = stand_in_call(**BIG_STEP), stand_in_call(**BIG_STEP)
+    buffers = (ours.runner.input_ids.gpu, ours.runner.is_token_ids.cpu)
+    vllm_method()(stock.runner, *stock.arguments)
+
+    assert method(ours.runner, *ours.arguments) is None  # vLLM's return value
+
+    assert call_state(ours) == call_state(stock)  # in the runner's own buffers
+    assert ours.runner.input_ids.gpu is buffers[0] and ours.runner.is_token_ids.cpu is buffers[1]
+    assert ours.runner._pp_recv_work is None and ours.pp_work.waits == 1
+    assert (PIECE.main.checked, PIECE.main.divergences) == (2, 1)
+    assert vllm_plugin.status()["verify"]["divergences"][NAME] == 1
+    (error,) = logs.at(logging.ERROR)
+    assert f"'{NAME}'" in error and "input_ids.gpu[0]: fastbatch wrote" in error
+
+    # The reproducer replays the divergence, and no longer with the real kernel.
+    (path,) = verify_dir.iterdir()
+    assert path.name.startswith(f"{NAME}-") and str(path) in error
+    assert "input_ids.gpu" in vllm_plugin.replay(str(path))
+    monkeypatch.setattr(fastbatch, "prepare_input_ids_indices", REAL_KERNEL)
+    assert vllm_plugin.replay(str(path)) is None
+
+    # From now on the piece runs vLLM's code: the kernel is not called again.
+    monkeypatch.setattr(fastbatch, "prepare_input_ids_indices", kernel_wrong_for_big_batches)
+    fastbatch.reset_stats()
+    again = stand_in_call(**BIG_STEP)
+    method(again.runner, *again.arguments)
+    assert call_state(again) == call_state(stock)
+    assert fastbatch.stats()[NAME]["calls"] == 0
+    assert (PIECE.main.checked, PIECE.main.divergences) == (2, 1)
+    assert len(list(verify_dir.iterdir())) == 1
+
+
+@pytest.mark.vllm
+def test_verify_sampled_checks_only_some_calls(verify_dir, monkeypatch):
+    import random
+    from types import SimpleNamespace
+
+    from fastbatch import _verify
+
+    monkeypatch.setattr(_verify, "random", SimpleNamespace(Random=lambda: random.Random(19)))
+    method = _verified(0.25)
+    draws = random.Random(19)
+    expected = sum(draws.random() < 0.25 for _ in range(200))
+    stock = stand_in_call(**BIG_STEP)
+    vllm_method()(stock.runner, *stock.arguments)
+    for _ in range(200):
+        ours = stand_in_call(**BIG_STEP)
+        method(ours.runner, *ours.arguments)
+        assert call_state(ours) == call_state(stock)
+    assert 0 < PIECE.main.checked == expected < 100
+    assert PIECE.main.divergences == 0

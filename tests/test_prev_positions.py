@@ -356,3 +356,122 @@ def test_patched_method_counts_its_work():
     GPUModelRunner._compute_prev_positions(runner, 3)
     stats = fastbatch.stats()
     assert (stats[NAME]["calls"], stats[NAME]["found"]) == (1, 2)
+
+
+# --- FASTBATCH_VERIFY: the shadow check -----------------------------------------
+
+REAL_KERNEL = fastbatch.compute_prev_positions
+
+
+def kernel_wrong_for_big_batches(req_ids, prev, column, num_reqs):
+    """The real kernel, then the first slot one off, for batches of more than
+    six requests (the activation check's have at most five)."""
+    found = REAL_KERNEL(req_ids, prev, column, num_reqs)
+    if num_reqs > 6:
+        column[0] += 1
+    return found
+
+
+def _verified(rate=1.0):
+    """The piece installed with ``rate`` of its calls checked (once)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if not PIECE.main.is_applied():
+        assert PIECE.apply(verify=rate)
+    assert PIECE.main.verify_rate == rate
+    return GPUModelRunner._compute_prev_positions
+
+
+@pytest.fixture
+def verify_dir(monkeypatch, tmp_path):
+    """Reproducers go to tmp_path; the piece stock before and after."""
+    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
+    PIECE.revert()
+    yield tmp_path
+    PIECE.revert()
+
+
+@pytest.fixture(scope="module")
+def verified_piece():
+    PIECE.revert()
+    yield
+    PIECE.revert()
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("verified_piece")
+@given(step=steps())
+def test_verify_finds_no_divergence_on_real_steps(step):
+    """Every call checked against the real method: no divergence, and the
+    column is what vLLM's method leaves."""
+    note(repr(step))
+    method = _verified()
+    req_ids, prev_map, num_reqs = step
+    stock, ours = _runner(req_ids, prev_map, 16), _runner(req_ids, prev_map, 16)
+    checked = PIECE.main.checked
+    vllm_method()(stock, num_reqs)
+    assert method(ours, num_reqs) is None
+    assert _state(ours) == _state(stock)
+    assert PIECE.main.divergences == 0
+    assert PIECE.main.checked == checked + 1  # the early return (first step) too
+
+
+@pytest.mark.vllm
+def test_verify_catches_a_bug_the_activation_check_cannot_see(verify_dir, monkeypatch, logs):
+    method = _verified()  # the activation check passed with the real kernel
+    monkeypatch.setattr(fastbatch, "compute_prev_positions", kernel_wrong_for_big_batches)
+    req_ids = [f"req-{i}" for i in range(8)]
+    prev = {req_id: 9 - i for i, req_id in enumerate(req_ids[:6])}
+    small = _runner(req_ids[:5], prev, 10)
+    method(small, 5)  # small batches: right
+    assert PIECE.main.divergences == 0
+    stock, ours = _runner(req_ids, prev, 10), _runner(req_ids, prev, 10)
+    column = ours.prev_positions.np
+    vllm_method()(stock, 8)
+
+    assert method(ours, 8) is None  # vLLM's return value
+
+    assert _state(ours) == _state(stock)  # vLLM's column, in the runner's own buffer
+    assert ours.prev_positions.np is column
+    assert ours.prev_positions.np.tolist()[:8] == [9, 8, 7, 6, 5, 4, -1, -1]
+    assert (PIECE.main.checked, PIECE.main.divergences) == (2, 1)
+    assert vllm_plugin.status()["verify"]["divergences"][NAME] == 1
+    (error,) = logs.at(logging.ERROR)
+    assert f"'{NAME}'" in error and "prev_positions[0]: fastbatch wrote 10, vLLM 9" in error
+
+    # The reproducer replays the divergence, and no longer with the real kernel.
+    (path,) = verify_dir.iterdir()
+    assert path.name.startswith(f"{NAME}-") and str(path) in error
+    assert "prev_positions[0]" in vllm_plugin.replay(str(path))
+    monkeypatch.setattr(fastbatch, "compute_prev_positions", REAL_KERNEL)
+    assert vllm_plugin.replay(str(path)) is None
+
+    # From now on the piece runs vLLM's code: the kernel is not called again.
+    monkeypatch.setattr(fastbatch, "compute_prev_positions", kernel_wrong_for_big_batches)
+    fastbatch.reset_stats()
+    again = _runner(req_ids, prev, 10)
+    method(again, 8)
+    assert _state(again) == _state(stock)
+    assert fastbatch.stats()[NAME]["calls"] == 0
+    assert (PIECE.main.checked, PIECE.main.divergences) == (2, 1)
+    assert len(list(verify_dir.iterdir())) == 1
+
+
+@pytest.mark.vllm
+def test_verify_sampled_checks_only_some_calls(verify_dir, monkeypatch):
+    import random
+
+    from fastbatch import _verify
+
+    monkeypatch.setattr(_verify, "random", SimpleNamespace(Random=lambda: random.Random(19)))
+    method = _verified(0.25)
+    draws = random.Random(19)
+    expected = sum(draws.random() < 0.25 for _ in range(200))
+    stock = _runner(["a", "b", "c"], {"a": 2, "c": 0}, 4)
+    vllm_method()(stock, 3)
+    for _ in range(200):
+        ours = _runner(["a", "b", "c"], {"a": 2, "c": 0}, 4)
+        method(ours, 3)
+        assert _state(ours) == _state(stock)
+    assert 0 < PIECE.main.checked == expected < 100
+    assert PIECE.main.divergences == 0

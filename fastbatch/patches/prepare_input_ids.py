@@ -20,6 +20,21 @@ is vLLM's code, so the guard pins this exact variant of the method.
 
 When it can go: with the V1 runner (Model Runner V2 prepares its inputs on the
 device), or if vLLM vectorises the loop.
+
+Shadow check (``FASTBATCH_VERIFY``): only calls that reach the loop (a
+previous step's sampled ids to copy) are checked.  vLLM's method runs on a
+runner stand-in (``stand_in_runner``) with copies of every buffer it writes:
+the whole device side of ``input_ids``, and with prompt embeds
+``is_token_ids`` (both sides, its CPU side is written at the draft
+positions) and the first ``total_num_scheduled_tokens`` rows of the device
+side of ``inputs_embeds`` (all that vLLM copies into); what it only reads
+(the CPU sides it copies from, the previous sampled and draft ids, the
+``prev_positions`` column, ``cu_num_tokens``, the scheduled drafts) is
+shared.  The PP broadcast is a stand-in the copy waits for.  Compared: the
+return value, whether the PP broadcast was consumed, and each written buffer
+(values, dtype, shape).  The index tensors the method builds are temporaries:
+they are compared through what their scatters wrote.  On a divergence vLLM's
+buffers are copied into the runner's own ones.
 """
 
 from __future__ import annotations
@@ -29,7 +44,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import fastbatch
-from fastbatch.patches._patch import Patch
+from fastbatch.patches._patch import Patch, Shadow
 
 MODULE = "vllm.v1.worker.gpu_model_runner"
 VERIFIED_FINGERPRINTS = {
@@ -176,23 +191,40 @@ def stand_in_call(*, req_ids: list[str | None], prev_positions: list[int],
     positions.np[:num_reqs] = prev_positions
     width = 1 + prev_num_spec_tokens
     work = PipelineWork() if pp_work else None
-    runner = SimpleNamespace(
-        _pp_recv_work=work,
-        input_batch=SimpleNamespace(
-            req_ids=list(req_ids),
-            prev_sampled_token_ids=torch.arange(
-                5000, 5000 + num_prev_reqs * width, dtype=torch.int32).view(
-                    num_prev_reqs, width) if prev_sampled else None),
+    runner = stand_in_runner(
+        pp_recv_work=work, req_ids=list(req_ids),
+        prev_sampled_token_ids=torch.arange(
+            5000, 5000 + num_prev_reqs * width, dtype=torch.int32).view(
+                num_prev_reqs, width) if prev_sampled else None,
         input_ids=input_ids, is_token_ids=is_token_ids, inputs_embeds=inputs_embeds,
         prev_positions=positions, enable_prompt_embeds=prompt_embeds,
         prev_num_spec_tokens=prev_num_spec_tokens, device=device,
-        _draft_token_ids=torch.arange(
+        draft_token_ids=torch.arange(
             9000, 9000 + num_prev_reqs * prev_num_spec_tokens, dtype=torch.int64).view(
                 num_prev_reqs, prev_num_spec_tokens) if draft_tokens else None,
     )
     scheduler_output = SimpleNamespace(scheduled_spec_decode_tokens=scheduled_spec_tokens)
     return SimpleNamespace(runner=runner, pp_work=work,
                            arguments=(scheduler_output, num_reqs, total, cu_num_tokens))
+
+
+def stand_in_runner(*, pp_recv_work: Any, req_ids: list[str | None],
+                    prev_sampled_token_ids: Any, input_ids: Any, is_token_ids: Any,
+                    inputs_embeds: Any, prev_positions: Any, enable_prompt_embeds: bool,
+                    prev_num_spec_tokens: int, device: Any,
+                    draft_token_ids: Any) -> SimpleNamespace:
+    """What the method reads and writes of a ``GPUModelRunner`` (the buffers
+    are ``CpuGpuBuffer``s, or anything with their ``cpu``/``gpu``/``np`` and
+    ``copy_to_gpu``)."""
+    return SimpleNamespace(
+        _pp_recv_work=pp_recv_work,
+        input_batch=SimpleNamespace(req_ids=req_ids,
+                                    prev_sampled_token_ids=prev_sampled_token_ids),
+        input_ids=input_ids, is_token_ids=is_token_ids, inputs_embeds=inputs_embeds,
+        prev_positions=prev_positions, enable_prompt_embeds=enable_prompt_embeds,
+        prev_num_spec_tokens=prev_num_spec_tokens, device=device,
+        _draft_token_ids=draft_token_ids,
+    )
 
 
 def call_state(call: SimpleNamespace) -> dict[str, Any]:
@@ -249,6 +281,138 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     return None
 
 
+# --- the shadow check (FASTBATCH_VERIFY) -------------------------------------
+
+def _buffer(cpu: Any, gpu: Any) -> Any:
+    """A ``CpuGpuBuffer`` (vLLM's class, so ``copy_to_gpu`` is vLLM's) made of
+    the given tensors; ``np`` is the CPU side's numpy view where it has one."""
+    import torch
+    from vllm.v1.utils import CpuGpuBuffer
+
+    made = CpuGpuBuffer.__new__(CpuGpuBuffer)
+    made.cpu, made.gpu = cpu, gpu
+    if cpu is not None and cpu.dtype != torch.bfloat16:
+        made.np = cpu.numpy()
+    return made
+
+
+def _copy(tensor: Any) -> Any:
+    """A copy on the CPU (a comparable, picklable outcome)."""
+    return None if tensor is None else tensor.detach().to("cpu", copy=True)
+
+
+def _snapshot(runner: Any, scheduler_output: Any, num_reqs: int,
+              total_num_scheduled_tokens: int, cu_num_tokens: Any) -> dict[str, Any] | None:
+    """Copies of what the method writes, what it reads shared; None on the
+    normal scheduling path (no previous sampled ids: no loop to check)."""
+    batch = runner.input_batch
+    if batch.prev_sampled_token_ids is None:
+        return None
+    embeds = bool(runner.enable_prompt_embeds)
+    total = total_num_scheduled_tokens
+    return {
+        "pp_recv_work": runner._pp_recv_work is not None,
+        "req_ids": list(batch.req_ids),
+        "prev_sampled_token_ids": batch.prev_sampled_token_ids,
+        "input_ids.cpu": runner.input_ids.cpu,
+        "input_ids.gpu": runner.input_ids.gpu.clone(),
+        "is_token_ids.cpu": runner.is_token_ids.cpu.clone() if embeds else None,
+        "is_token_ids.gpu": runner.is_token_ids.gpu.clone() if embeds else None,
+        "inputs_embeds.cpu": runner.inputs_embeds.cpu[:total] if embeds else None,
+        "inputs_embeds.gpu": runner.inputs_embeds.gpu[:total].clone() if embeds else None,
+        "prev_positions": runner.prev_positions.np[:num_reqs].copy(),
+        "enable_prompt_embeds": embeds,
+        "prev_num_spec_tokens": runner.prev_num_spec_tokens,
+        "device": runner.device,
+        "draft_token_ids": runner._draft_token_ids,
+        "scheduled_spec_decode_tokens": scheduler_output.scheduled_spec_decode_tokens,
+        "num_reqs": num_reqs, "total": total, "cu_num_tokens": cu_num_tokens,
+    }
+
+
+def _written(runner: Any, result: Any, embeds: bool, total: int) -> dict[str, Any]:
+    """What the method wrote (copied to the CPU), and its return value."""
+    return {
+        "result": result,
+        "pp_recv_work consumed": runner._pp_recv_work is None,
+        "input_ids.gpu": _copy(runner.input_ids.gpu),
+        "is_token_ids.cpu": _copy(runner.is_token_ids.cpu) if embeds else None,
+        "is_token_ids.gpu": _copy(runner.is_token_ids.gpu) if embeds else None,
+        "inputs_embeds.gpu": _copy(runner.inputs_embeds.gpu[:total]) if embeds else None,
+    }
+
+
+def _run(method: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    """``method`` on a stand-in with fresh copies of the written buffers."""
+    embeds = inputs["enable_prompt_embeds"]
+
+    def fresh(name: str) -> Any:
+        return None if inputs[name] is None else inputs[name].clone()
+
+    runner = stand_in_runner(
+        pp_recv_work=PipelineWork() if inputs["pp_recv_work"] else None,
+        req_ids=list(inputs["req_ids"]),
+        prev_sampled_token_ids=inputs["prev_sampled_token_ids"],
+        input_ids=_buffer(inputs["input_ids.cpu"], fresh("input_ids.gpu")),
+        is_token_ids=_buffer(fresh("is_token_ids.cpu"), fresh("is_token_ids.gpu")),
+        inputs_embeds=_buffer(inputs["inputs_embeds.cpu"], fresh("inputs_embeds.gpu")),
+        prev_positions=SimpleNamespace(np=inputs["prev_positions"].copy()),
+        enable_prompt_embeds=embeds, prev_num_spec_tokens=inputs["prev_num_spec_tokens"],
+        device=inputs["device"], draft_token_ids=inputs["draft_token_ids"])
+    result = method(runner, SimpleNamespace(
+        scheduled_spec_decode_tokens=inputs["scheduled_spec_decode_tokens"]),
+        inputs["num_reqs"], inputs["total"], inputs["cu_num_tokens"])
+    return _written(runner, result, embeds, inputs["total"])
+
+
+def _outcome(inputs: dict[str, Any], result: Any, runner: Any, *args: Any) -> dict[str, Any]:
+    return _written(runner, result, inputs["enable_prompt_embeds"], inputs["total"])
+
+
+def _compare(ours: dict[str, Any], stock: dict[str, Any]) -> str | None:
+    import torch
+
+    for name, expected in stock.items():
+        got = ours[name]
+        if not isinstance(expected, torch.Tensor) or not isinstance(got, torch.Tensor):
+            if got is not expected and got != expected:
+                return f"{name}: fastbatch gave {got!r}, vLLM {expected!r}"
+        elif (got.dtype, got.shape) != (expected.dtype, expected.shape):
+            return (f"{name}: fastbatch left {got.dtype} {tuple(got.shape)}, vLLM "
+                    f"{expected.dtype} {tuple(expected.shape)}")
+        elif not torch.equal(got, expected):
+            where = tuple((got != expected).nonzero()[0].tolist())
+            return (f"{name}{list(where)}: fastbatch wrote {got[where].tolist()}, "
+                    f"vLLM {expected[where].tolist()}")
+    return None
+
+
+def _restore(inputs: dict[str, Any], stock: dict[str, Any], result: Any, runner: Any,
+             *args: Any) -> Any:
+    """vLLM's buffers copied into the runner's own."""
+    runner.input_ids.gpu.copy_(stock["input_ids.gpu"])
+    if inputs["enable_prompt_embeds"]:
+        runner.is_token_ids.cpu.copy_(stock["is_token_ids.cpu"])
+        runner.is_token_ids.gpu.copy_(stock["is_token_ids.gpu"])
+        runner.inputs_embeds.gpu[:inputs["total"]].copy_(stock["inputs_embeds.gpu"])
+    if stock["pp_recv_work consumed"]:
+        runner._pp_recv_work = None
+    return stock["result"]
+
+
+def _for_reproducer(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The inputs on the CPU (a device tensor may not load elsewhere)."""
+    import torch
+
+    moved = {name: value.detach().cpu() if isinstance(value, torch.Tensor) else value
+             for name, value in inputs.items()}
+    moved["device"] = torch.device("cpu")
+    return moved
+
+
+SHADOW = Shadow(snapshot=_snapshot, run=_run, outcome=_outcome, restore=_restore,
+                compare=_compare, for_reproducer=_for_reproducer)
+
 PATCH = Patch(f"{MODULE}:GPUModelRunner._prepare_input_ids", _prepare_input_ids,
               fingerprints=VERIFIED_FINGERPRINTS, activation_check=activation_check,
-              needs_async_scheduling=True)
+              shadow=SHADOW, needs_async_scheduling=True)
