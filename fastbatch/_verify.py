@@ -116,10 +116,9 @@ def checked_replacement(patch: Patch, original: Callable[..., Any],
     if shadow is None:
         raise ValueError(f"{patch.target} has no shadow check")
     sample = random.Random().random
-    patch = patch
 
     def checked(*args: Any, **kwargs: Any) -> Any:
-        if patch.divergences:
+        if any(sibling.divergences for sibling in patch.siblings):  # the piece went stock
             return original(*args, **kwargs)
         if (rate < 1 and sample() >= rate) or _suspended:
             return replacement(*args, **kwargs)
@@ -165,6 +164,7 @@ def _compare_call(patch: Patch, original: Callable[..., Any], inputs: Any,
         raise stock.exc  # what vLLM's own code would have done
     return shadow.restore(inputs, stock, result, *args, **kwargs)
 
+
 def _report_divergence(patch: Patch, problem: str, inputs: Any, ours: Any, stock: Any) -> None:
     """Count it, switch the piece to stock, write a reproducer, log an error."""
     import vllm
@@ -191,6 +191,7 @@ def _report_divergence(patch: Patch, problem: str, inputs: Any, ours: Any, stock
     logger.error("fastbatch: FASTBATCH_VERIFY: piece %r (%s) diverged from vLLM: %s; "
                  "vLLM's result was kept, and %r runs vLLM's code for the rest of this "
                  "process; %s", patch.name, patch.target, problem[:2000], patch.name, where)
+
 
 def replay(patch: Patch, inputs: Any, original: Callable[..., Any] | None = None) -> str | None:
     """Run fastbatch's replacement and vLLM's code (``original``, by default

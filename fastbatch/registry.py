@@ -73,7 +73,7 @@ class Piece:
         self.main: Patch = self.module.PATCH
         self.patches: tuple[Patch, ...] = getattr(self.module, "PATCHES", (self.main,))
         for patch in self.patches:
-            patch.name = name
+            patch.name, patch.siblings = name, self.patches
 
     def __repr__(self) -> str:
         return f"<fastbatch piece {self.name}: {', '.join(p.target for p in self.patches)}>"

@@ -19,8 +19,8 @@ Workloads (tools/vllm_generate.py arguments below):
 The in-process fastbatch runs of the three workloads check every replaced
 call against vLLM's own code (``FASTBATCH_VERIFY=1``) and must report no
 divergence; the run with workers and the ``FASTBATCH_DISABLE`` run leave it
-off, as users run fastbatch by default.  One run plants a
-subtle bug in fastbatch (``--plant-bug``): the shadow check must catch it and
+off, as users run fastbatch by default.  Runs that plant
+subtle bugs in fastbatch (``--plant-bugs``): the shadow checks must catch them and
 keep the outputs stock's.  Every worker must say it runs the V1 runner.
 
 Ray: ``executor="ray"`` runs the worker as a Ray actor through vLLM's Ray
@@ -72,6 +72,14 @@ WORKLOADS = {
     # (output history), async scheduling.
     "every-piece": ["--draft-model", "{model}", "--num-speculative-tokens", "3",
                     "--num-prompts", "12", "--max-tokens", "40", "--no-plain"],
+    # Batches bigger than any activation check's (tools/planted_bugs.py), with
+    # and without speculative decoding (the scheduler's fast paths leave steps
+    # with drafts to vLLM; the spec pieces have work only with them).
+    "big": ["--num-prompts", "30", "--max-num-seqs", "32", "--max-tokens", "40", "--varied",
+            "--no-plain"],
+    "big-spec": ["--draft-model", "{model}", "--num-speculative-tokens", "3",
+                 "--num-prompts", "30", "--max-num-seqs", "32", "--max-tokens", "40",
+                 "--varied", "--no-plain"],
 }
 
 
@@ -120,9 +128,9 @@ def generate(tiny_model, tmp_path_factory):
 
     def run(fastbatch: bool, async_scheduling: bool = True, workers: bool = False,
             workload: str = "mixed", disable: str = "", executor: str = "default",
-            verify: str = "", plant_bug: bool = False):
+            verify: str = "", plant_bugs: str = ""):
         key = (fastbatch, async_scheduling, workers, workload, disable, executor, verify,
-               plant_bug)
+               plant_bugs)
         if key not in cache:
             folder = tmp_path_factory.mktemp("run")
             out = folder / "result.json"
@@ -146,8 +154,8 @@ def generate(tiny_model, tmp_path_factory):
                        *(arg.format(model=tiny_model) for arg in WORKLOADS[workload])]
             if async_scheduling:
                 command.append("--async-scheduling")
-            if plant_bug:
-                command.append("--plant-bug")
+            if plant_bugs:
+                command += ["--plant-bugs", *plant_bugs.split()]
             returncode, output = _run_in_own_process_group(command, env)
             assert returncode == 0, output[-5000:]
             cache[key] = json.loads(out.read_text())
@@ -425,7 +433,7 @@ def test_spec_decode_every_call_checked_without_divergence(generate):
 
 
 def planted_output_bug(kernel):
-    """tools/vllm_generate.py's --plant-bug, for the replay below."""
+    """tools/planted_bugs.py's bug of async_output_token_ids, for the replay below."""
     def wrong_for_big_ids(req_ids, prev, output_token_ids, sampled, copy_ready=None):
         kernel(req_ids, prev, output_token_ids, sampled, copy_ready)
         for ids in output_token_ids:
@@ -439,7 +447,7 @@ def test_verify_catches_a_planted_bug_and_keeps_stock_tokens(generate, monkeypat
     FASTBATCH_VERIFY reports it once, with a reproducer, and vLLM's results
     stay in place, so every token is stock's."""
     stock = generate(fastbatch=False)
-    planted = generate(fastbatch=True, verify="1", plant_bug=True)
+    planted = generate(fastbatch=True, verify="1", plant_bugs="async_output_token_ids")
 
     (worker,) = planted["workers"]
     # the activation checks passed
@@ -534,3 +542,30 @@ def test_mixed_traffic_is_stock_and_verified(traffic):
     assert checked["status"]["patches"] == {name: name in shadowed() for name in PATCH_NAMES}
     for name in worked & set(shadowed()):
         assert verify["checked"][name] > 0, (name, verify)
+
+
+SPEC_PIECES = ("async_spec_token_ids", "draft_token_ids", "parse_output")
+
+
+@pytest.mark.parametrize("workload", ["big", "big-spec"])
+def test_verify_catches_a_planted_bug_in_every_piece(generate, workload):
+    """Each piece made subtly wrong where its activation check never looks
+    (tools/planted_bugs.py), all at once, in a real engine under
+    FASTBATCH_VERIFY=1: each bug is caught once, that piece runs vLLM's code
+    from then on, and every token is stock's."""
+    spec = workload == "big-spec"
+    pieces = [name for name in PATCH_NAMES if (name in SPEC_PIECES) == spec]
+    stock = generate(fastbatch=False, workload=workload)
+    planted = generate(fastbatch=True, workload=workload, verify="1",
+                       plant_bugs=" ".join(pieces))
+
+    (worker,) = planted["workers"]
+    assert worker["patches"] == dict.fromkeys(PATCH_NAMES, True)  # activation checks passed
+    assert planted["token_ids"] == stock["token_ids"]
+    divergences = worker["verify"]["divergences"]
+    assert {name: divergences[name] for name in pieces} == dict.fromkeys(pieces, 1)
+    assert not any(divergences[name] for name in PATCH_NAMES if name not in pieces)
+    errors = fastbatch_lines(planted, "diverged from vLLM")
+    assert len(errors) == len(pieces) == len(planted["reproducers"])
+    for name in pieces:
+        assert sum(f"piece {name!r}" in error for error in errors) == 1, name

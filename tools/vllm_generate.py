@@ -28,8 +28,9 @@ the CPU backend cannot build ``ngram_gpu``'s pinned buffers).
 ``--executor ray`` runs the worker as a Ray actor through vLLM's Ray executor
 (``distributed_executor_backend="ray"``) on a small local Ray instance that
 this script starts and stops; see ``_start_ray``.
-``--plant-bug`` (tests only, in-process runs) makes fastbatch's output
-update subtly wrong (see ``plant_output_bug``), for the FASTBATCH_VERIFY test.
+``--plant-bugs NAME...`` (tests only, in-process runs) makes those pieces
+(``all``: every one) subtly wrong once the engine is built
+(tools/planted_bugs.py), for the FASTBATCH_VERIFY tests.
 """
 
 from __future__ import annotations
@@ -177,28 +178,6 @@ def _start_ray():
     return ray.remote(_fastbatch_environment).remote()
 
 
-PLANTED_BUG_MIN_ID = 256
-
-
-def plant_output_bug() -> None:
-    """Make fastbatch's output-token kernel wrong only for token ids >= 256:
-    after its (right) update, a list ending in such an id gets its last bit
-    flipped.  The activation check's ids are all below 100, so it passes;
-    only FASTBATCH_VERIFY can see it."""
-    import fastbatch
-
-    kernel = fastbatch.update_async_output_token_ids
-
-    def wrong_for_big_ids(req_ids, prev_req_id_to_index, output_token_ids, sampled,
-                          copy_ready=None):
-        kernel(req_ids, prev_req_id_to_index, output_token_ids, sampled, copy_ready)
-        for ids in output_token_ids:
-            if ids and ids[-1] >= PLANTED_BUG_MIN_ID:
-                ids[-1] ^= 1
-
-    fastbatch.update_async_output_token_ids = wrong_for_big_ids
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
@@ -247,9 +226,9 @@ def main() -> None:
     parser.add_argument("--executor", choices=("default", "ray"), default="default",
                         help="ray: vLLM's Ray executor on a local Ray instance started "
                              "here (one worker)")
-    parser.add_argument("--plant-bug", action="store_true",
-                        help="tests only: a subtle bug in fastbatch's output update "
-                             "(needs in-process vLLM)")
+    parser.add_argument("--plant-bugs", nargs="+", default=[],
+                        help="tests only: subtle bugs in these pieces (all: every one; "
+                             "tools/planted_bugs.py; needs in-process vLLM)")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -258,8 +237,6 @@ def main() -> None:
 
     import fastbatch.vllm_plugin
 
-    if args.plant_bug:
-        plant_output_bug()
     report: dict = {"import_s": time.perf_counter() - started, "executor": args.executor}
     started = time.perf_counter()
     ray_task_environment = _start_ray() if args.executor == "ray" else None
@@ -274,6 +251,10 @@ def main() -> None:
               speculative_config=speculative_config,
               distributed_executor_backend="ray" if args.executor == "ray" else None)
     report["engine_start_s"] = time.perf_counter() - started
+    if args.plant_bugs:
+        import planted_bugs
+
+        planted_bugs.plant(args.plant_bugs)
     tokenizer = llm.get_tokenizer()
     bad_words = _bad_words(llm, tokenizer) if args.settings == "mixed" else []
     banned = [tokenizer.encode(prefix + word, add_special_tokens=False)

@@ -101,6 +101,9 @@ class Patch:
         self.needs_async_scheduling = needs_async_scheduling
         self.requires = requires
         self.acts_under_v2 = self.module.startswith("vllm.v1.core.")
+        # the patches of the same piece (set by fastbatch.registry): after a
+        # FASTBATCH_VERIFY divergence in any of them, all run vLLM's code
+        self.siblings: tuple[Patch, ...] = (self,)
         self._original: Any = None
         self._stored: Any = None  # the attribute as stored (a staticmethod, say)
         self._reset_verification()

@@ -1,0 +1,120 @@
+"""Subtle bugs planted in fastbatch's pieces, for the FASTBATCH_VERIFY
+end-to-end test (tools/vllm_generate.py ``--plant-bugs``; tests only).
+
+Each bug wraps the piece's compiled function (``fastbatch.<function>``, which
+the patch calls at run time; ``allocate_slots``, whose compiled function is
+itself the installed method, through its patch's ``replacement``) so that it
+goes wrong only where the piece's activation check never looks: batches of
+more than ``BIG_BATCH`` requests, token ids of at least ``BIG_ID``, requests
+past ``LATE_TOKENS`` tokens.  The activation checks pass; only the shadow
+checks can see the bugs.  Planted after the engine is built (the plugin has
+applied the pieces), before the traffic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+BIG_BATCH = 12
+BIG_ID = 256
+LATE_TOKENS = 20
+
+
+def _wrap(function: str, after: Callable[..., Any]) -> None:
+    """``fastbatch.<function>`` calls the real one, then ``after(result,
+    *args)``, whose return value (or the result, if None) it returns."""
+    import fastbatch
+
+    real = getattr(fastbatch, function)
+
+    def planted(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        changed = after(result, *args, **kwargs)
+        return result if changed is None else changed
+
+    setattr(fastbatch, function, planted)
+
+
+def _last_big_id_flipped(result, req_ids, prev, output_token_ids, *rest, **kwargs):
+    for ids in output_token_ids:
+        if ids and ids[-1] >= BIG_ID:
+            ids[-1] ^= 1
+
+
+def _first_draft_flipped(result, req_ids, prev, spec_token_ids, draft_token_ids):
+    if len(req_ids) > BIG_BATCH:
+        for ids in spec_token_ids:
+            if ids:
+                ids[0] ^= 1
+                return
+
+
+def _first_penalty_id_moved(tensor, output_token_ids, vocab_size, *rest):
+    if len(output_token_ids) > BIG_BATCH and tensor.numel():
+        tensor[0, 0] = (int(tensor[0, 0]) + 1) % vocab_size
+
+
+def _bookkeeping_count_off(result, req_ids, requests, num_sampled_tokens, valid, discarded,
+                           num_tokens_no_spec, *rest):
+    if num_sampled_tokens > BIG_BATCH:
+        num_tokens_no_spec[0] += 1
+
+
+def _first_prev_position_off(result, req_ids, prev, prev_positions, num_reqs):
+    if num_reqs > BIG_BATCH:
+        prev_positions[0] += 1
+
+
+def _input_rows_reversed(result, req_ids, prev_positions, cu_num_tokens, spec, prev_spec,
+                         num_reqs):
+    import numpy as np
+
+    common, spec_indices, _, max_index = result
+    if num_reqs > BIG_BATCH:
+        return np.stack([common[0], common[1][::-1]]), spec_indices, False, max_index
+    return None
+
+
+def _after_schedule_counter_off(done, scheduler, output, *rest):
+    if done and len(output.num_scheduled_tokens) > BIG_BATCH:
+        scheduler.requests[next(iter(output.num_scheduled_tokens))].num_computed_tokens += 1
+
+
+def _cached_count_off(lists, running, resumed, *rest):
+    if len(running) + len(resumed) > BIG_BATCH:
+        lists[4][-1] += 1
+
+
+def _allocate_slots_refuses_late_decodes() -> None:
+    from fastbatch.patches.allocate_slots import PATCH
+
+    real = PATCH.replacement
+
+    def planted(self, request, num_new_tokens, *args, **kwargs):
+        if (request.num_computed_tokens > LATE_TOKENS and num_new_tokens == 1
+                and not kwargs.get("num_lookahead_tokens")):
+            return None  # "no room": vLLM would have allocated or said nothing to do
+        return real(self, request, num_new_tokens, *args, **kwargs)
+
+    PATCH.replacement = planted
+
+
+BUGS: dict[str, Callable[[], None]] = {
+    "async_output_token_ids": lambda: _wrap("update_async_output_token_ids",
+                                            _last_big_id_flipped),
+    "async_spec_token_ids": lambda: _wrap("update_async_spec_token_ids", _first_draft_flipped),
+    "penalty_output_tokens": lambda: _wrap("output_tokens_tensor", _first_penalty_id_moved),
+    "bookkeeping_sync": lambda: _wrap("append_sampled_token_ids", _bookkeeping_count_off),
+    "prev_positions": lambda: _wrap("compute_prev_positions", _first_prev_position_off),
+    "prepare_input_ids": lambda: _wrap("prepare_input_ids_indices", _input_rows_reversed),
+    "after_schedule": lambda: _wrap("update_after_schedule", _after_schedule_counter_off),
+    "cached_requests": lambda: _wrap("cached_request_lists", _cached_count_off),
+    "allocate_slots": _allocate_slots_refuses_late_decodes,
+}
+
+
+def plant(names: list[str]) -> None:
+    """Plant the bugs of the pieces ``names`` (``["all"]``: every one)."""
+    for name in BUGS if names == ["all"] else names:
+        BUGS[name]()
