@@ -4,10 +4,18 @@
 Compiled vs twin vs vLLM's two lines (``tolist()`` and the clear loop); the
 REAL vLLM 0.33.0 method against the patched one on stand-in outputs (marker
 ``vllm``); the patch's guard and activation check; the plugin; bad input;
-leaks.
+leaks; the ``FASTBATCH_VERIFY`` shadow check (no false divergence, a planted
+bug caught and replayed, sampled checks).
 """
 
 from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,7 +25,7 @@ from hypothesis import strategies as st
 from id_rows import assert_plain_rows, id_tensors
 
 import fastbatch
-from fastbatch import _kernels, _reference, registry, vllm_plugin
+from fastbatch import _kernels, _reference, _verify, registry, vllm_plugin
 from leaks import assert_no_leak
 
 IMPLEMENTATIONS = [_kernels.sampled_token_lists, _reference.sampled_token_lists]
@@ -245,3 +253,194 @@ def test_plugin_applies_and_reverts(vllm_runner, monkeypatch):
         assert vllm_plugin.status()["patches"]["get_output"] is False
     finally:
         vllm_plugin.revert()
+
+
+# --- FASTBATCH_VERIFY: the shadow check ------------------------------------
+
+
+@contextlib.contextmanager
+def applied_with_verify(rate):
+    """The piece applied with ``rate`` of its calls checked; its earlier state
+    (stock, or applied at its earlier rate) back afterwards, with the real
+    kernel (a test plants a wrong one after the activation check)."""
+    piece = registry.piece("get_output")
+    before = piece.main.verify_rate if piece.is_applied() else None
+    piece.revert()
+    assert piece.apply(verify=rate)
+    try:
+        yield piece.main
+    finally:
+        fastbatch.sampled_token_lists = REAL_LISTS
+        piece.revert()
+        if before is not None:
+            assert piece.apply(verify=before)
+
+
+@pytest.fixture(scope="module")
+def verified(vllm_runner):
+    """The piece applied with every call checked (for hypothesis)."""
+    with applied_with_verify(1.0) as patch:
+        yield patch
+
+
+def assert_same_call(vllm_runner, got, live, expected, stock, sampled, invalid):
+    """The live call left what vLLM's method left on a twin output object."""
+    assert got is live._model_runner_output
+    assert got.sampled_token_ids == expected.sampled_token_ids
+    assert_plain_rows(got.sampled_token_ids)
+    assert len({id(row) for row in got.sampled_token_ids}) == len(got.sampled_token_ids)
+    assert_same_logprobs(got.logprobs, expected.logprobs)
+    assert got.num_nans_in_logits == expected.num_nans_in_logits
+    assert vars(got).keys() == vars(expected).keys()
+    assert vars(live).keys() == vars(stock).keys()  # the same tensors let go
+    assert torch.equal(live.sampled_token_ids_cpu, sampled) and live._invalid_req_indices == invalid
+
+
+@pytest.mark.vllm
+@given(decode_steps(widths=st.sampled_from([1, 1, 1, 2, 4])), st.booleans(), st.booleans())
+def test_shadow_agrees_with_vllm(vllm_runner, verified, step, logprobs, nans):
+    """No false divergence: the installed, checked method on the real cases;
+    plain decode steps are checked, spec steps (parse_output's) are not."""
+    sampled, invalid = step
+    if sampled.shape[1] > 1:
+        logprobs = False
+    stock = real_output(vllm_runner, sampled, invalid, logprobs, nans)
+    expected = verified.original()(stock)
+    live = real_output(vllm_runner, sampled.clone(), list(invalid), logprobs, nans)
+    checked = verified.checked
+    got = vllm_runner.AsyncGPUModelRunnerOutput.get_output(live)
+    assert verified.divergences == 0
+    assert verified.checked == checked + (sampled.shape[1] == 1)
+    assert_same_call(vllm_runner, got, live, expected, stock, sampled, invalid)
+
+
+REAL_LISTS = fastbatch.sampled_token_lists
+BIG_BATCH = 8  # more rows than any of the activation check's cases
+
+
+def wrong_for_big_batches(sampled, invalid):
+    """The real kernel, then the first row's id plus one in batches of more
+    than BIG_BATCH rows (the activation check has at most 5)."""
+    rows = REAL_LISTS(sampled, invalid)
+    if len(rows) > BIG_BATCH and rows[0]:
+        rows[0][0] += 1
+    return rows
+
+
+@pytest.mark.vllm
+def test_shadow_catches_a_bug_the_activation_check_cannot_see(vllm_runner, monkeypatch,
+                                                              tmp_path, logs):
+    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
+    cls = vllm_runner.AsyncGPUModelRunnerOutput
+    kernel_calls = []
+
+    def planted(sampled, invalid):
+        kernel_calls.append(len(sampled))
+        return wrong_for_big_batches(sampled, invalid)
+
+    sampled = torch.arange(100, 112, dtype=torch.int32).view(12, 1)
+    invalid = [3, -1]
+    with applied_with_verify(1.0) as patch:
+        monkeypatch.setattr(fastbatch, "sampled_token_lists", planted)  # after the check
+        small = real_output(vllm_runner, sampled[:4], [1])
+        assert cls.get_output(small).sampled_token_ids == [[100], [], [102], [103]]
+        assert (patch.checked, patch.divergences) == (1, 0)
+
+        stock = real_output(vllm_runner, sampled, invalid, logprobs=True, nans=True)
+        expected = patch.original()(stock)
+        live = real_output(vllm_runner, sampled.clone(), list(invalid), logprobs=True, nans=True)
+        got = cls.get_output(live)
+
+        # vLLM's lists on the very runner output vLLM holds, the rest as vLLM left it.
+        assert got.sampled_token_ids[0] == [100]
+        assert_same_call(vllm_runner, got, live, expected, stock, sampled, invalid)
+        assert (patch.checked, patch.divergences) == (2, 1)
+        status = vllm_plugin.status()["verify"]
+        assert status["divergences"] == {name: int(name == "get_output")
+                                         for name in registry.NAMES}
+        (error,) = logs.at(logging.ERROR)
+        assert "'get_output'" in error and "sampled_token_ids: row 0" in error
+
+        # The reproducer replays the divergence, and no longer once the bug is gone.
+        (path,) = tmp_path.iterdir()
+        assert path.name.startswith(f"get_output-{os.getpid()}-") and str(path) in error
+        record = pickle.loads(path.read_bytes())
+        assert record["piece"] == "get_output" and record["target"] == patch.target
+        assert vllm_plugin.replay(str(path)) is not None
+        monkeypatch.setattr(fastbatch, "sampled_token_lists", REAL_LISTS)
+        assert vllm_plugin.replay(str(path)) is None
+
+        # From now on the piece is vLLM's code: the kernel is not called again.
+        monkeypatch.setattr(fastbatch, "sampled_token_lists", planted)
+        calls = len(kernel_calls)
+        again = real_output(vllm_runner, sampled.clone(), list(invalid))
+        assert cls.get_output(again).sampled_token_ids == expected.sampled_token_ids
+        assert len(kernel_calls) == calls
+        assert (patch.checked, patch.divergences) == (2, 1)
+        assert len(list(tmp_path.iterdir())) == 1
+
+
+@pytest.mark.vllm
+def test_shadow_puts_back_what_a_wrong_kernel_writes_into_its_inputs(vllm_runner, monkeypatch,
+                                                                     tmp_path):
+    """A kernel that scribbles on the sampled ids or the discarded indices
+    (right lists otherwise): a divergence, and the inputs get their values back."""
+    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
+
+    def scribbles(sampled, invalid):
+        rows = REAL_LISTS(sampled, invalid)
+        sampled[0, 0] = -7
+        invalid.append(0)
+        return rows
+
+    sampled = torch.tensor([[5], [6], [7]], dtype=torch.int64)
+    with applied_with_verify(1.0) as patch:
+        monkeypatch.setattr(fastbatch, "sampled_token_lists", scribbles)
+        live = real_output(vllm_runner, sampled.clone(), [1])
+        got = vllm_runner.AsyncGPUModelRunnerOutput.get_output(live)
+        assert got.sampled_token_ids == [[5], [], [7]]
+        assert patch.divergences == 1
+        assert torch.equal(live.sampled_token_ids_cpu, sampled)
+        assert live._invalid_req_indices == [1]
+
+
+@pytest.mark.vllm
+def test_sampled_verify_checks_some_calls(vllm_runner, monkeypatch):
+    """``FASTBATCH_VERIFY=0.25``: a seeded draw, so exactly the calls whose
+    draw is under 0.25 are checked."""
+    seed, rate, calls = 19, 0.25, 40
+    monkeypatch.setattr(_verify, "random", SimpleNamespace(Random=lambda: random.Random(seed)))
+    draws = random.Random(seed)
+    expected = sum(draws.random() < rate for _ in range(calls))
+    assert 0 < expected < calls
+    sampled = torch.tensor([[5], [6]], dtype=torch.int32)
+    with applied_with_verify(rate) as patch:
+        for _ in range(calls):
+            output = real_output(vllm_runner, sampled, [0])
+            assert vllm_runner.AsyncGPUModelRunnerOutput.get_output(
+                output).sampled_token_ids == [[], [6]]
+        assert (patch.checked, patch.divergences) == (expected, 0)
+
+
+class LateCopy:
+    """A copy-ready event whose ``synchronize()`` completes the device-to-host
+    copy: until then the CPU tensor holds stale values, as on a GPU."""
+
+    def __init__(self, tensor, values):
+        self.tensor, self.values = tensor, values
+
+    def synchronize(self):
+        self.tensor.copy_(self.values)
+
+
+@pytest.mark.vllm
+def test_shadow_copies_the_ids_once_the_copy_is_done(vllm_runner, verified):
+    """The snapshot waits for the event before copying the ids (a copy taken
+    earlier would hold stale ids: a false divergence)."""
+    sampled = torch.tensor([[5], [6], [7]], dtype=torch.int32)
+    live = real_output(vllm_runner, torch.full_like(sampled, -3), [1])
+    live.async_copy_ready_event = LateCopy(live.sampled_token_ids_cpu, sampled)
+    checked = verified.checked
+    got = vllm_runner.AsyncGPUModelRunnerOutput.get_output(live)
+    assert got.sampled_token_ids == [[5], [], [7]]
+    assert (verified.checked, verified.divergences) == (checked + 1, 0)

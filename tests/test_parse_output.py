@@ -3,10 +3,18 @@
 Compiled vs twin vs a transcription of vLLM's numpy code; the REAL vLLM
 0.33.0 static method against the installed patch (marker ``vllm``),
 fallbacks and logprobs included; the guard and activation check; the plugin;
-bad input; leaks.
+bad input; leaks; the ``FASTBATCH_VERIFY`` shadow check (no false divergence,
+a planted bug caught and replayed, sampled checks).
 """
 
 from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,7 +23,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from id_rows import VOCAB_SIZE, assert_plain_rows, id_tensors
 
-from fastbatch import _kernels, _reference, registry, vllm_plugin
+import fastbatch
+from fastbatch import _kernels, _reference, _verify, registry, vllm_plugin
 from leaks import assert_no_leak
 
 IMPLEMENTATIONS = [_kernels.rejection_output_lists, _reference.rejection_output_lists]
@@ -205,7 +214,6 @@ def test_guard_and_activation_check(monkeypatch):
     import vllm
     from vllm.v1.sample.rejection_sampler import RejectionSampler
 
-    import fastbatch
     from fastbatch.patches import parse_output as patch
 
     stock = patch.PATCH.original() or RejectionSampler.parse_output  # (installed by a fixture?)
@@ -262,3 +270,190 @@ def test_plugin_applies_and_reverts(monkeypatch):
         vllm_plugin.revert()
         if installed_here:
             assert piece.apply()
+
+
+# --- FASTBATCH_VERIFY: the shadow check ------------------------------------
+
+
+@contextlib.contextmanager
+def applied_with_verify(rate):
+    """The piece applied with ``rate`` of its calls checked; its earlier state
+    (stock, or applied at its earlier rate) back afterwards, with the real
+    kernel (a test plants a wrong one after the activation check)."""
+    piece = registry.piece("parse_output")
+    before = piece.main.verify_rate if piece.is_applied() else None
+    piece.revert()
+    assert piece.apply(verify=rate)
+    try:
+        yield piece.main
+    finally:
+        fastbatch.rejection_output_lists = REAL_LISTS
+        piece.revert()
+        if before is not None:
+            assert piece.apply(verify=before)
+
+
+@pytest.fixture(scope="module")
+def verified():
+    """The piece applied with every call checked (for hypothesis)."""
+    with applied_with_verify(1.0) as patch:
+        yield patch
+
+
+def assert_exactly(got, expected):
+    """vLLM's result exactly: a (lists, None) tuple, distinct plain rows."""
+    assert type(got) is tuple and got == expected
+    assert_plain_rows(got[0])
+    assert len({id(row) for row in got[0]}) == len(got[0])
+
+
+@pytest.mark.vllm
+@given(spec_steps())
+def test_shadow_agrees_with_vllm(verified, step):
+    """No false divergence: the installed, checked static method (through the
+    class and through an instance) on the real cases, every call checked."""
+    import inspect
+
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    assert type(inspect.getattr_static(RejectionSampler, "parse_output")) is staticmethod
+    ids, vocab_size, discard = step
+    saved = ids.clone()
+    expected = verified.original()(ids, vocab_size, discard)
+    checked = verified.checked
+    assert_exactly(RejectionSampler.parse_output(ids, vocab_size, discard), expected)
+    assert_exactly(object.__new__(RejectionSampler).parse_output(
+        ids, vocab_size, discard_req_indices=discard), expected)
+    assert (verified.checked, verified.divergences) == (checked + 2, 0)
+    assert torch.equal(ids, saved)
+
+
+@pytest.mark.vllm
+def test_shadow_leaves_calls_with_logprobs_and_vllms_errors_to_vllm(verified):
+    """With logprobs, or ids on a device, the replacement is vLLM's method:
+    not checked.  Input vLLM refuses too raises vLLM's error, checked,
+    without a divergence."""
+    from vllm.v1.outputs import LogprobsTensors
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    ids = torch.tensor([[1, -1], [2, 3]], dtype=torch.int32)
+    logprobs = LogprobsTensors(
+        logprob_token_ids=torch.arange(8, dtype=torch.int32).view(4, 2),
+        logprobs=torch.linspace(-3, 0, 8).view(4, 2),
+        selected_token_ranks=torch.arange(4, dtype=torch.int32))
+    checked = verified.checked
+    rows, lists = RejectionSampler.parse_output(ids, 512, [0], logprobs_tensors=logprobs)
+    assert rows == [[], [2, 3]] and lists is not None
+    assert verified.checked == checked
+    with pytest.raises(IndexError):
+        RejectionSampler.parse_output(IDS, 512, [7])
+    assert (verified.checked, verified.divergences) == (checked + 1, 0)
+    # Ids on a device: vLLM's method (here its error), not checked.
+    with pytest.raises(NotImplementedError):
+        RejectionSampler.parse_output(torch.zeros((2, 3), dtype=torch.int32, device="meta"), 512)
+    assert (verified.checked, verified.divergences) == (checked + 1, 0)
+
+
+REAL_LISTS = fastbatch.rejection_output_lists
+BIG_BATCH = 6  # more rows than any of the activation check's cases (4)
+
+
+def wrong_for_big_batches(ids, vocab_size, discard=()):
+    """The real kernel, then in batches of more than BIG_BATCH rows the last
+    id of the first non-empty row dropped (as if rejected)."""
+    rows = REAL_LISTS(ids, vocab_size, discard)
+    if len(rows) > BIG_BATCH:
+        for row in rows:
+            if row:
+                row.pop()
+                break
+    return rows
+
+
+@pytest.mark.vllm
+def test_shadow_catches_a_bug_the_activation_check_cannot_see(monkeypatch, tmp_path, logs):
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
+    kernel_calls = []
+
+    def planted(ids, vocab_size, discard=()):
+        kernel_calls.append(len(ids))
+        return wrong_for_big_batches(ids, vocab_size, discard)
+
+    ids = torch.tensor([[10 * row + col for col in range(3)] for row in range(8)],
+                       dtype=torch.int64)
+    ids[2, 1:] = -1
+    discard = [5]
+    with applied_with_verify(1.0) as patch:
+        monkeypatch.setattr(fastbatch, "rejection_output_lists", planted)  # after the check
+        assert RejectionSampler.parse_output(ids[:4], 512, []) == (
+            [[0, 1, 2], [10, 11, 12], [20], [30, 31, 32]], None)
+        assert (patch.checked, patch.divergences) == (1, 0)
+
+        expected = patch.original()(ids, 512, discard)
+        got = RejectionSampler.parse_output(ids, 512, discard)
+        assert_exactly(got, expected)  # vLLM's lists
+        assert got[0][0] == [0, 1, 2]
+        assert (patch.checked, patch.divergences) == (2, 1)
+        status = vllm_plugin.status()["verify"]
+        assert status["divergences"] == {name: int(name == "parse_output")
+                                         for name in registry.NAMES}
+        (error,) = logs.at(logging.ERROR)
+        assert "'parse_output'" in error and "row 0: fastbatch gave [0, 1]" in error
+
+        # The reproducer replays the divergence, and no longer once the bug is gone.
+        (path,) = tmp_path.iterdir()
+        assert path.name.startswith(f"parse_output-{os.getpid()}-") and str(path) in error
+        record = pickle.loads(path.read_bytes())
+        assert record["piece"] == "parse_output" and record["target"] == patch.target
+        assert vllm_plugin.replay(str(path)) is not None
+        monkeypatch.setattr(fastbatch, "rejection_output_lists", REAL_LISTS)
+        assert vllm_plugin.replay(str(path)) is None
+
+        # From now on the piece is vLLM's code: the kernel is not called again.
+        monkeypatch.setattr(fastbatch, "rejection_output_lists", planted)
+        calls = len(kernel_calls)
+        assert_exactly(object.__new__(RejectionSampler).parse_output(ids, 512, discard),
+                       expected)
+        assert len(kernel_calls) == calls
+        assert (patch.checked, patch.divergences) == (2, 1)
+        assert len(list(tmp_path.iterdir())) == 1
+
+
+@pytest.mark.vllm
+def test_shadow_puts_back_what_a_wrong_kernel_writes_into_the_ids(monkeypatch, tmp_path):
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
+
+    def scribbles(ids, vocab_size, discard=()):
+        rows = REAL_LISTS(ids, vocab_size, discard)
+        ids[0, 0] = 99
+        return rows
+
+    ids = torch.tensor([[1, 2], [3, -1]], dtype=torch.int32)
+    with applied_with_verify(1.0) as patch:
+        monkeypatch.setattr(fastbatch, "rejection_output_lists", scribbles)
+        live = ids.clone()
+        assert_exactly(RejectionSampler.parse_output(live, 512, []), ([[1, 2], [3]], None))
+        assert patch.divergences == 1
+        assert torch.equal(live, ids)
+
+
+@pytest.mark.vllm
+def test_sampled_verify_checks_some_calls(monkeypatch):
+    """``FASTBATCH_VERIFY=0.25``: a seeded draw, so exactly the calls whose
+    draw is under 0.25 are checked."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    seed, rate, calls = 19, 0.25, 40
+    monkeypatch.setattr(_verify, "random", SimpleNamespace(Random=lambda: random.Random(seed)))
+    draws = random.Random(seed)
+    expected = sum(draws.random() < rate for _ in range(calls))
+    assert 0 < expected < calls
+    ids = torch.tensor([[1, 2], [3, -1]], dtype=torch.int32)
+    with applied_with_verify(rate) as patch:
+        for _ in range(calls):
+            assert RejectionSampler.parse_output(ids, 512, [0]) == ([[], [3]], None)
+        assert (patch.checked, patch.divergences) == (expected, 0)

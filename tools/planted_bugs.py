@@ -5,10 +5,11 @@ Each bug wraps the piece's compiled function (``fastbatch.<function>``, which
 the patch calls at run time; ``allocate_slots``, whose compiled function is
 itself the installed method, through its patch's ``replacement``) so that it
 goes wrong only where the piece's activation check never looks: batches of
-more than ``BIG_BATCH`` requests, token ids of at least ``BIG_ID``, requests
-past ``LATE_TOKENS`` tokens.  The activation checks pass; only the shadow
-checks can see the bugs.  Planted after the engine is built (the plugin has
-applied the pieces), before the traffic.
+more than ``BIG_BATCH`` requests (``SMALL_SPEC_BATCH`` for the spec pieces),
+token ids of at least ``BIG_ID``, requests past ``LATE_TOKENS`` tokens.  The
+activation checks pass; only the shadow checks can see the bugs.  Planted
+after the engine is built (the plugin has applied the pieces), before the
+traffic.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 BIG_BATCH = 12
+SMALL_SPEC_BATCH = 6  # the spec pieces' checks use at most 6 rows
 BIG_ID = 256
 LATE_TOKENS = 20
 
@@ -86,6 +88,27 @@ def _cached_count_off(lists, running, resumed, *rest):
         lists[4][-1] += 1
 
 
+def _first_sampled_id_flipped(rows, *args, **kwargs):
+    if len(rows) > BIG_BATCH:
+        for row in rows:
+            if row:
+                row[0] ^= 1
+                return
+
+
+def _last_accepted_id_dropped(result, *args, **kwargs):
+    if len(result) > SMALL_SPEC_BATCH:
+        for row in result:
+            if row:
+                row.pop()
+                return
+
+
+def _first_draft_id_flipped(rows, buffer, num_reqs, num_spec_tokens):
+    if num_reqs > SMALL_SPEC_BATCH and rows and rows[0]:
+        rows[0][0] ^= 1
+
+
 def _allocate_slots_refuses_late_decodes() -> None:
     from fastbatch.patches.allocate_slots import PATCH
 
@@ -111,6 +134,9 @@ BUGS: dict[str, Callable[[], None]] = {
     "after_schedule": lambda: _wrap("update_after_schedule", _after_schedule_counter_off),
     "cached_requests": lambda: _wrap("cached_request_lists", _cached_count_off),
     "allocate_slots": _allocate_slots_refuses_late_decodes,
+    "get_output": lambda: _wrap("sampled_token_lists", _first_sampled_id_flipped),
+    "parse_output": lambda: _wrap("rejection_output_lists", _last_accepted_id_dropped),
+    "draft_token_ids": lambda: _wrap("draft_token_lists", _first_draft_id_flipped),
 }
 
 

@@ -206,8 +206,12 @@ class Patch:
         self._stored = inspect.getattr_static(owner, attribute)
         self._reset_verification()
         self.verify_rate = verify
-        setattr(owner, attribute, _verify.checked_replacement(self, method, verify) if verify > 0
-                else self.replacement)
+        installed = self.replacement
+        if verify > 0:
+            installed = _verify.checked_replacement(self, method, verify)
+            if isinstance(self._stored, staticmethod):  # calls through an instance stay static
+                installed = staticmethod(installed)
+        setattr(owner, attribute, installed)
         logger.info("fastbatch %s: replaced %s of vLLM %s with the %s%s (checks took "
                     "%.1f ms)", fastbatch.__version__, self.target, vllm.__version__,
                     "compiled kernel" if fastbatch.COMPILED else "pure-Python fallback",

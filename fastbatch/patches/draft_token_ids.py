@@ -15,6 +15,19 @@ spec-decode step; it cost more than fastbatch's whole spec update.
 
 When it can go: with Model Runner V2, or if vLLM builds these lists in
 compiled code.
+
+Shadow check (``FASTBATCH_VERIFY``): where the method builds lists (drafts
+in a tensor, request ids set; the other branches are vLLM's own lines),
+vLLM's method runs on a stand-in runner with a copy of the buffer's rows in
+use (``draft_token_ids_cpu[:len(req_ids)]``) and a copy of the request ids.
+Compared: the lists exactly (a plain ``list`` of distinct plain ``list``s of
+plain ``int``s: ``update_async_spec_token_ids`` truncates them in place),
+that the request ids returned are the runner's own list (as vLLM's are), and
+that the buffer's rows are unchanged.  The rows are copied after the draft
+event's ``synchronize()`` (as the method reads them): before it, on a GPU,
+the host buffer may not hold them yet.  On a divergence the call returns
+vLLM's lists with the runner's request-id list, and the buffer's rows get
+their values back.
 """
 
 from __future__ import annotations
@@ -25,7 +38,8 @@ from typing import Any
 import torch
 
 import fastbatch
-from fastbatch.patches._patch import Patch
+from fastbatch.patches._patch import Patch, Shadow
+from fastbatch.patches.parse_output import rows_problem, tensor_copy, unchanged
 
 VERIFIED_FINGERPRINTS = {
     "6edab22cb7838f88ab9d0c6b6b464dd987d20db3adf3f4c37392a498b47aad40":
@@ -89,6 +103,83 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     return None
 
 
+class _NoWait:
+    """The event of a replayed reproducer: the drafts are already there."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _snapshot(runner: Any) -> dict[str, Any] | None:
+    """A copy of the buffer's rows in use and of the request ids, once the
+    device-to-host copy is done (the method waits for it too, before reading
+    them); None on the branches that build no lists (vLLM's own lines there)."""
+    req_ids = runner._draft_token_req_ids
+    buffer = runner.draft_token_ids_cpu
+    drafts = runner._draft_token_ids
+    if (isinstance(drafts, list) or req_ids is None or runner.draft_token_ids_event is None
+            or buffer is None or not isinstance(drafts, torch.Tensor)):
+        return None
+    runner.draft_token_ids_event.synchronize()
+    return {"rows": tensor_copy(buffer[:len(req_ids)]), "num_spec_tokens": drafts.shape[1],
+            "req_ids": list(req_ids), "draft_token_ids_event": runner.draft_token_ids_event}
+
+
+def _state(result: Any, req_ids: Any, buffer: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The outcome: the lists, whether the request ids returned are the
+    runner's own list, whether the buffer's rows in use are unchanged."""
+    pair = type(result) is tuple and len(result) == 2
+    return {"result_kind": "pair" if pair else repr(result),
+            "lists": result[0] if pair else None,
+            "own_req_ids": pair and result[1] is req_ids,
+            "rows_unchanged": unchanged(buffer[:len(inputs["rows"])], inputs["rows"])}
+
+
+def _run(method: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    """``method`` on a stand-in runner made of copies of the rows and ids."""
+    runner = SimpleNamespace(
+        _draft_token_ids=torch.empty((0, inputs["num_spec_tokens"]), dtype=torch.int64),
+        _draft_token_req_ids=list(inputs["req_ids"]),
+        draft_token_ids_cpu=tensor_copy(inputs["rows"]),
+        draft_token_ids_event=inputs.get("draft_token_ids_event") or _NoWait(),
+        input_batch=SimpleNamespace(req_ids=[]))
+    return _state(method(runner), runner._draft_token_req_ids, runner.draft_token_ids_cpu,
+                  inputs)
+
+
+def _outcome(inputs: dict[str, Any], result: Any, runner: Any) -> dict[str, Any]:
+    return _state(result, runner._draft_token_req_ids, runner.draft_token_ids_cpu, inputs)
+
+
+def _compare(ours: dict[str, Any], stock: dict[str, Any]) -> str | None:
+    if ours["result_kind"] != stock["result_kind"]:
+        return f"fastbatch returned {ours['result_kind']}, vLLM {stock['result_kind']}"
+    problem = rows_problem(ours["lists"], stock["lists"])
+    if problem is not None:
+        return problem
+    for key in ("own_req_ids", "rows_unchanged"):
+        if ours[key] != stock[key]:
+            return f"{key}: fastbatch {ours[key]!r}, vLLM {stock[key]!r}"
+    return None
+
+
+def _restore(inputs: dict[str, Any], stock: dict[str, Any], result: Any, runner: Any) -> Any:
+    """The buffer's rows back (if fastbatch's call changed them); vLLM's lists
+    with the runner's own request-id list, as vLLM's method returns them."""
+    rows = runner.draft_token_ids_cpu[:len(inputs["rows"])]
+    if not unchanged(rows, inputs["rows"]):
+        rows.copy_(inputs["rows"])
+    return stock["lists"], runner._draft_token_req_ids
+
+
+def _for_reproducer(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The inputs without the event (a device event cannot be pickled)."""
+    return {key: value for key, value in inputs.items() if key != "draft_token_ids_event"}
+
+
+SHADOW = Shadow(snapshot=_snapshot, run=_run, outcome=_outcome, restore=_restore,
+                compare=_compare, for_reproducer=_for_reproducer)
+
 PATCH = Patch("vllm.v1.worker.gpu_model_runner:GPUModelRunner._get_draft_token_ids_cpu",
               _get_draft_token_ids_cpu, fingerprints=VERIFIED_FINGERPRINTS,
-              activation_check=activation_check)
+              activation_check=activation_check, shadow=SHADOW)

@@ -16,16 +16,35 @@ Python; it is paid every step of every async V1 run.
 
 When it can go: with Model Runner V2 (its output path is different), or if
 vLLM builds these lists in compiled code.
+
+Shadow check (``FASTBATCH_VERIFY``): on a plain decode step (one id per
+row; with spec tokens the method is vLLM's code around ``parse_output``,
+whose own shadow checks the lists) vLLM's method runs on a stand-in output
+object made of a copy of the sampled ids, a copy of the discarded indices and
+the rest of what it reads (logprobs, NaN counts, the runner output's
+``req_id_to_index``, shared: only read).  Compared: what the method writes on
+the runner output (``sampled_token_ids`` exactly: a plain ``list`` of
+distinct plain ``list``s of plain ``int``s; ``logprobs`` array by array;
+``num_nans_in_logits``), that it returns that runner output itself, which of
+the device tensors it let go (``del``), and that the sampled ids and the
+discarded indices are unchanged.  The ids are copied after the copy-ready
+event's ``synchronize()`` (the method's own first step): before it, on a GPU,
+the host tensor may not hold them yet.  On a divergence vLLM's values are set on
+the very runner output vLLM holds, the attributes are put back or deleted as
+vLLM's left them, the inputs get their values back, and that runner output is
+returned.
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 from types import SimpleNamespace
 from typing import Any
 
 import fastbatch
-from fastbatch.patches._patch import Patch
+from fastbatch.patches._patch import Patch, Shadow
+from fastbatch.patches.parse_output import rows_problem, tensor_copy, unchanged
 
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 VERIFIED_FINGERPRINTS = {
@@ -138,6 +157,145 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     return None
 
 
+# What the method writes on the runner output, and the attributes of its own
+# that it deletes (the device tensors).
+WRITTEN = ("sampled_token_ids", "logprobs", "num_nans_in_logits")
+RELEASED = ("_logprobs_tensors", "_sampled_token_ids", "_num_nans")
+UNSET = "<unset>"  # an attribute the object does not have (picklable)
+
+
+class _NoWait:
+    """The copy-ready event of a replayed reproducer: the ids are already there."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _snapshot(output: Any) -> dict[str, Any] | None:
+    """What the method reads, the ids and indices copied (the method, or a
+    wrong kernel, could change them), once the device-to-host copy is done
+    (the method waits for it first thing too); None with spec tokens (vLLM's
+    code around ``parse_output``: nothing of this piece's to check)."""
+    if output.sampled_token_ids_cpu.shape[-1] != 1:
+        return None
+    output.async_copy_ready_event.synchronize()
+    runner_output = output._model_runner_output
+    return {
+        "sampled_token_ids_cpu": tensor_copy(output.sampled_token_ids_cpu),
+        "invalid_req_indices": copy.copy(output._invalid_req_indices),
+        "vocab_size": output.vocab_size,
+        "logprobs_tensors_cpu": output._logprobs_tensors_cpu,
+        "num_nans_cpu": output._num_nans_cpu,
+        "has_fault": output._has_fault,
+        "req_id_to_index": runner_output.req_id_to_index,
+        "written_before": {name: getattr(runner_output, name) for name in WRITTEN
+                           if hasattr(runner_output, name)},
+        "released_names": [name for name in RELEASED if hasattr(output, name)],
+        # to put back what vLLM's method would have kept (not in reproducers)
+        "released": {name: getattr(output, name) for name in RELEASED if hasattr(output, name)},
+        "async_copy_ready_event": output.async_copy_ready_event,
+    }
+
+
+def _state(output: Any, result: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The call's outcome, read from the output object after it."""
+    runner_output = output._model_runner_output
+    return {
+        "returned_runner_output": result is runner_output,
+        **{name: getattr(runner_output, name, UNSET) for name in WRITTEN},
+        "released": [name for name in RELEASED if not hasattr(output, name)],
+        "ids_unchanged": unchanged(output.sampled_token_ids_cpu,
+                                   inputs["sampled_token_ids_cpu"]),
+        "indices_unchanged": list(output._invalid_req_indices)
+        == list(inputs["invalid_req_indices"]),
+    }
+
+
+def _run(method: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    """``method`` on a stand-in output made of copies of the ids and indices."""
+    output = SimpleNamespace(
+        _model_runner_output=SimpleNamespace(req_id_to_index=inputs["req_id_to_index"],
+                                             **inputs["written_before"]),
+        _invalid_req_indices=copy.copy(inputs["invalid_req_indices"]),
+        async_copy_ready_event=inputs.get("async_copy_ready_event") or _NoWait(),
+        vocab_size=inputs["vocab_size"],
+        sampled_token_ids_cpu=tensor_copy(inputs["sampled_token_ids_cpu"]),
+        _logprobs_tensors_cpu=inputs["logprobs_tensors_cpu"],
+        _num_nans_cpu=inputs["num_nans_cpu"], _has_fault=inputs["has_fault"],
+        **dict.fromkeys(inputs["released_names"]))
+    return _state(output, method(output), inputs)
+
+
+def _outcome(inputs: dict[str, Any], result: Any, output: Any) -> dict[str, Any]:
+    return _state(output, result, inputs)
+
+
+def _logprobs_problem(ours: Any, stock: Any) -> str | None:
+    """Why fastbatch's ``LogprobsLists`` (or None) is not vLLM's: the same
+    type, and field by field the same arrays (dtype, shape, bytes) or values."""
+    import numpy as np
+
+    if type(ours) is not type(stock):
+        return f"fastbatch gave logprobs {ours!r}, vLLM {stock!r}"
+    if stock is None or stock == UNSET:
+        return None
+    for index, (got, expected) in enumerate(zip(ours, stock, strict=True)):
+        if isinstance(expected, np.ndarray):
+            same = (type(got) is np.ndarray and got.dtype == expected.dtype
+                    and got.shape == expected.shape and got.tobytes() == expected.tobytes())
+        else:
+            same = type(got) is type(expected) and got == expected
+        if not same:
+            return f"logprobs field {index}: fastbatch gave {got!r}, vLLM {expected!r}"
+    return None
+
+
+def _compare(ours: dict[str, Any], stock: dict[str, Any]) -> str | None:
+    problem = rows_problem(ours["sampled_token_ids"], stock["sampled_token_ids"])
+    if problem is not None:
+        return f"sampled_token_ids: {problem}"
+    problem = _logprobs_problem(ours["logprobs"], stock["logprobs"])
+    if problem is not None:
+        return problem
+    for key in ("num_nans_in_logits", "returned_runner_output", "released", "ids_unchanged",
+                "indices_unchanged"):
+        if ours[key] != stock[key]:
+            return f"{key}: fastbatch left {ours[key]!r}, vLLM {stock[key]!r}"
+    return None
+
+
+def _restore(inputs: dict[str, Any], stock: dict[str, Any], result: Any, output: Any) -> Any:
+    """vLLM's values on the runner output vLLM holds, the released attributes
+    as vLLM's method leaves them, the ids and indices back; that runner output."""
+    runner_output = output._model_runner_output
+    for name in WRITTEN:
+        if stock[name] != UNSET:
+            setattr(runner_output, name, stock[name])
+        elif hasattr(runner_output, name):
+            delattr(runner_output, name)
+    for name in RELEASED:
+        if name in stock["released"]:
+            if hasattr(output, name):
+                delattr(output, name)
+        elif name in inputs["released"]:
+            setattr(output, name, inputs["released"][name])
+    if not unchanged(output.sampled_token_ids_cpu, inputs["sampled_token_ids_cpu"]):
+        output.sampled_token_ids_cpu[...] = inputs["sampled_token_ids_cpu"]
+    if list(output._invalid_req_indices) != list(inputs["invalid_req_indices"]):
+        output._invalid_req_indices[:] = inputs["invalid_req_indices"]
+    return runner_output if stock["returned_runner_output"] else result
+
+
+def _for_reproducer(inputs: dict[str, Any]) -> dict[str, Any]:
+    """Without the event and the device tensors (neither can be pickled for
+    use elsewhere; the method only lets the tensors go)."""
+    return {key: value for key, value in inputs.items()
+            if key not in ("async_copy_ready_event", "released")}
+
+
+SHADOW = Shadow(snapshot=_snapshot, run=_run, outcome=_outcome, restore=_restore,
+                compare=_compare, for_reproducer=_for_reproducer)
+
 PATCH = Patch(f"{RUNNER_MODULE}:AsyncGPUModelRunnerOutput.get_output", get_output,
               fingerprints=VERIFIED_FINGERPRINTS, activation_check=activation_check,
-              needs_async_scheduling=True)
+              shadow=SHADOW, needs_async_scheduling=True)

@@ -16,14 +16,25 @@ without it).
 
 When it can go: with Model Runner V2, or if vLLM builds these lists in
 compiled code.
+
+Shadow check (``FASTBATCH_VERIFY``): vLLM's method runs on a copy of the
+ids tensor (and of the discarded indices); its lists must equal fastbatch's
+exactly: the same values, as a plain ``list`` of distinct plain ``list``s of
+plain ``int``s (later code mutates the rows one by one); and the live tensor
+must be unchanged by fastbatch's call.  On a divergence the call returns
+vLLM's lists (and the tensor gets its values back).  A call with logprobs,
+or with the ids on a device (``_bookkeeping_sync`` without async scheduling
+on a GPU), is not checked: the replacement is vLLM's method itself there.
 """
 
 from __future__ import annotations
 
+import copy
+import itertools
 from typing import Any
 
 import fastbatch
-from fastbatch.patches._patch import Patch
+from fastbatch.patches._patch import Patch, Shadow
 
 VERIFIED_FINGERPRINTS = {
     "11df69ad2ab931ef90dcd16217b683f0468e28fe2e1bcf2ce3d0b22ee42703a9":
@@ -75,6 +86,109 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     return None
 
 
+def rows_problem(ours: Any, stock: list[list[int]]) -> str | None:
+    """Why ``ours`` is not exactly vLLM's ``stock`` rows (``tolist()``
+    rows), or None: the same values, as a plain ``list`` of distinct plain
+    ``list``s of plain ``int``s.  Distinct, because vLLM's callers change
+    rows in place (``clear()``, truncation)."""
+    if (type(ours) is list and ours == stock and set(map(type, ours)) <= {list}
+            and set(map(type, itertools.chain.from_iterable(ours))) <= {int}
+            and len(set(map(id, ours))) == len(ours)):
+        return None  # the common case, at C speed
+    if type(ours) is not list:
+        return f"fastbatch gave a {type(ours).__name__}, not a list"
+    if len(ours) != len(stock):
+        return f"fastbatch gave {len(ours)} rows, vLLM {len(stock)}"
+    for index, (got, expected) in enumerate(zip(ours, stock, strict=True)):
+        if type(got) is not list or got != expected or any(
+                type(item) is not int for item in got):
+            return f"row {index}: fastbatch gave {got!r}, vLLM {expected!r}"
+    return "fastbatch gave two rows that are one list object"
+
+
+def tensor_copy(tensor: Any) -> Any:
+    """A copy of an ids tensor (or array) that later writes to it do not reach."""
+    return tensor.clone() if hasattr(tensor, "clone") else copy.deepcopy(tensor)
+
+
+def unchanged(live: Any, saved: Any) -> bool:
+    """Whether the ids tensor (or array) ``live`` still holds ``saved``'s values."""
+    import numpy as np
+    import torch
+
+    if isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor):
+        return (live.shape == saved.shape and live.dtype == saved.dtype
+                and bool(torch.equal(live, saved.to(live.device))))
+    return bool(np.array_equal(live, saved))
+
+
+def _snapshot(output_token_ids: Any, vocab_size: Any, discard_req_indices: Any = (),
+              logprobs_tensors: Any = None) -> dict[str, Any] | None:
+    """Copies of the ids and the discarded indices; None with logprobs or ids
+    on a device (the compiled call takes CPU ids only: the replacement is
+    vLLM's method then, nothing to check, and it must not run twice)."""
+    if logprobs_tensors is not None or getattr(
+            getattr(output_token_ids, "device", None), "type", "cpu") != "cpu":
+        return None
+    return {"output_token_ids": tensor_copy(output_token_ids), "vocab_size": vocab_size,
+            "discard_req_indices": copy.copy(discard_req_indices)}
+
+
+def _outcome_of(result: Any, ids: Any, saved_ids: Any) -> dict[str, Any]:
+    return {"result": result, "ids_unchanged": unchanged(ids, saved_ids)}
+
+
+def _run(function: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+    """``function`` on fresh copies of the ids and indices; its result, and
+    whether it left the ids alone."""
+    ids = tensor_copy(inputs["output_token_ids"])
+    result = function(ids, inputs["vocab_size"], copy.copy(inputs["discard_req_indices"]))
+    return _outcome_of(result, ids, inputs["output_token_ids"])
+
+
+def _ids_argument(*args: Any, **kwargs: Any) -> Any:
+    """The call's ``output_token_ids`` (its first argument)."""
+    return args[0] if args else kwargs["output_token_ids"]
+
+
+def _outcome(inputs: dict[str, Any], result: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    return _outcome_of(result, _ids_argument(*args, **kwargs), inputs["output_token_ids"])
+
+
+def _compare(ours: dict[str, Any], stock: dict[str, Any]) -> str | None:
+    """The lists exactly (``rows_problem``), no logprobs, the ids left alone."""
+    got, expected = ours["result"], stock["result"]
+    if type(got) is not tuple or len(got) != 2:
+        return f"fastbatch gave {got!r}, not a (lists, logprobs) tuple"
+    problem = rows_problem(got[0], expected[0])
+    if problem is not None:
+        return problem
+    if (got[1] is None) != (expected[1] is None):
+        return f"fastbatch gave logprobs {got[1]!r}, vLLM {expected[1]!r}"
+    if ours["ids_unchanged"] != stock["ids_unchanged"]:
+        return "fastbatch's call changed the output_token_ids tensor"
+    return None
+
+
+def _restore(inputs: dict[str, Any], stock: dict[str, Any], result: Any,
+             *args: Any, **kwargs: Any) -> Any:
+    """The ids tensor's values back (if fastbatch's call changed them); vLLM's result."""
+    output_token_ids = _ids_argument(*args, **kwargs)
+    if not unchanged(output_token_ids, inputs["output_token_ids"]):
+        output_token_ids[...] = inputs["output_token_ids"]
+    return stock["result"]
+
+
+def _for_reproducer(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The ids on the CPU (a device tensor would not load without one)."""
+    ids = inputs["output_token_ids"]
+    return {**inputs, "output_token_ids": ids.cpu() if hasattr(ids, "cpu") else ids}
+
+
+SHADOW = Shadow(snapshot=_snapshot, run=_run, outcome=_outcome, restore=_restore,
+                compare=_compare, for_reproducer=_for_reproducer)
+
+
 PATCH = Patch("vllm.v1.sample.rejection_sampler:RejectionSampler.parse_output",
               staticmethod(parse_output), fingerprints=VERIFIED_FINGERPRINTS,
-              activation_check=activation_check)
+              activation_check=activation_check, shadow=SHADOW)
