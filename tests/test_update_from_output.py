@@ -39,7 +39,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
 import fastbatch
-from fastbatch import _kernels, _reference, registry, vllm_plugin
+from fastbatch import _kernels, _reference, _verify, registry, vllm_plugin
 from fastbatch.patches import after_schedule, allocate_slots, cached_requests
 from fastbatch.patches import update_from_output as patch
 from leaks import assert_no_leak
@@ -336,3 +336,124 @@ def test_plugin_disable_by_the_deprecated_name_scheduler_outputs(monkeypatch, lo
         vllm_plugin.revert()
     assert any("FASTBATCH_DISABLE=scheduler_outputs is deprecated" in line
                and "'update_from_output'" in line for line in logs.at(logging.WARNING))
+
+
+# FASTBATCH_VERIFY: the shadow check, with the piece installed as the plugin
+# installs it (class attribute, every call checked); the lockstep's stock side
+# gets vLLM's own method back on its instance.
+
+@pytest.fixture
+def verified(monkeypatch, tmp_path):
+    """The piece applied under FASTBATCH_VERIFY=1, reproducers in ``tmp_path``."""
+    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
+    assert patch.PATCH.apply(verify=1.0)
+    assert Scheduler.update_from_output is not patch.update_from_output  # the checked one
+    yield tmp_path
+    patch.PATCH.revert()
+    assert Scheduler.update_from_output is STOCK
+
+
+def verified_lockstep(workload, seed):
+    harness = lockstep.Lockstep(workload, seed=seed)
+    harness.stock.update_from_output = MethodType(STOCK, harness.stock)
+    return harness
+
+
+@pytest.mark.parametrize("workload", lockstep.WORKLOADS, ids=lambda w: w.name)
+def test_verify_no_false_divergence_in_lockstep(verified, workload):
+    _kernels.reset_stats()
+    harness = verified_lockstep(workload, seed=13)
+    harness.run(STEPS_PER_WORKLOAD)  # raises Divergence at the first difference
+    assert patch.PATCH.checked > 0
+    assert patch.PATCH.divergences == 0 and patch.PATCH.reproducers == []
+    assert fastbatch.stats()["update_from_output"]["fast_outputs"] > 0
+    assert not list(verified.iterdir())
+
+
+def plant(monkeypatch, after_calls, where):
+    """The compiled call, wrong after ``after_calls`` calls for taken requests
+    whose id ends in "7" (its token lists get a wrong last token): the
+    activation check (which ran at apply) cannot see it."""
+    real = _kernels.take_decode_outputs
+    calls, fired = [0], []
+
+    def buggy(scheduler, scheduler_output, model_runner_output, kinds, variant):
+        taken = real(scheduler, scheduler_output, model_runner_output, kinds, variant)
+        calls[0] += 1
+        if taken is not None and calls[0] > after_calls:
+            for slot in taken[0]:
+                if type(slot) is not str and slot.request_id.endswith("7"):
+                    request = scheduler.requests[slot.request_id]
+                    if where == "lists":
+                        request._output_token_ids[-1] += 1
+                        request._all_token_ids[-1] = request._output_token_ids[-1]
+                    else:  # the output
+                        slot.new_token_ids = [slot.new_token_ids[0] + 1]
+                    fired.append(slot.request_id)
+        return taken
+
+    monkeypatch.setattr(fastbatch, "take_decode_outputs", buggy)
+    return fired
+
+
+@pytest.mark.parametrize("where", ["lists", "output"])
+@pytest.mark.parametrize("workload", [lockstep.WORKLOADS[3], lockstep.WORKLOADS[2]],
+                         ids=lambda w: w.name)
+def test_verify_catches_a_planted_bug_and_leaves_stock_state(verified, monkeypatch, logs,
+                                                               workload, where):
+    import vllm
+
+    fired = plant(monkeypatch, 20, where)
+    harness = verified_lockstep(workload, seed=21)
+    fast_outputs = []
+    for _ in range(120):
+        # The lockstep compares outputs and the whole scheduler state with
+        # stock's after every step: the call that diverged included.
+        harness.step()
+        fast_outputs.append(fastbatch.stats()["update_from_output"]["fast_outputs"])
+        if patch.PATCH.divergences:
+            break
+    assert fired and patch.PATCH.divergences == 1
+    checked = patch.PATCH.checked
+    assert checked > 20
+    harness.run(40)  # vLLM's method from now on, equal to stock's
+    assert patch.PATCH.checked == checked and patch.PATCH.divergences == 1
+    assert fastbatch.stats()["update_from_output"]["fast_outputs"] == fast_outputs[-1]
+    [path] = patch.PATCH.reproducers
+    assert os.path.dirname(path) == str(verified)
+    assert any("diverged from vLLM" in line and fired[0] in line
+               for line in logs.at(logging.ERROR))
+    problem = vllm_plugin.replay(path)
+    assert problem is not None and fired[0] in problem
+    monkeypatch.setattr(fastbatch, "take_decode_outputs", _kernels.take_decode_outputs)
+    assert vllm_plugin.replay(path) is None
+    assert vllm.__version__
+
+
+def test_verify_restores_the_order_of_a_wrong_merge(verified, monkeypatch):
+    """A merge that puts the outputs out of vLLM's order: front-end 0's
+    outputs are put back in order (the lockstep compares them)."""
+    real = _kernels.merge_decode_outputs
+    monkeypatch.setattr(fastbatch, "merge_decode_outputs",
+                        lambda slots, stock: real(slots, stock)[::-1])
+    harness = verified_lockstep(lockstep.WORKLOADS[2], seed=3)
+    harness.run(30)
+    assert patch.PATCH.divergences == 1
+
+
+def test_verify_sampled_checks_some_calls(monkeypatch, tmp_path):
+    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
+    patch._bind()
+    for rate, low, high in ((0.5, 1, 79), (0.0, 0, 0)):
+        checked = _verify.checked_replacement(patch.PATCH, STOCK, rate)
+        patch.PATCH.checked = patch.PATCH.divergences = 0
+
+        def make(workload, checked=checked):
+            scheduler = lockstep.make_scheduler(workload)
+            scheduler.update_from_output = MethodType(checked, scheduler)
+            return scheduler
+
+        lockstep.Lockstep(lockstep.WORKLOADS[0], seed=4, make_fast=make).run(80)
+        assert low <= patch.PATCH.checked <= high, (rate, patch.PATCH.checked)
+        assert patch.PATCH.divergences == 0
+    patch.PATCH.checked = 0

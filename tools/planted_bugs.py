@@ -109,6 +109,16 @@ def _first_draft_id_flipped(rows, buffer, num_reqs, num_spec_tokens):
         rows[0][0] ^= 1
 
 
+def _first_taken_token_off(slots, scheduler, *rest):
+    """The last token of the first request taken (a slot that is not a
+    request id) made wrong in both of its token lists."""
+    taken = [slot for slot in slots or () if not isinstance(slot, str)]
+    if len(taken) > BIG_BATCH:
+        request = scheduler.requests[taken[0].request_id]
+        request._output_token_ids[-1] += 1
+        request._all_token_ids[-1] = request._output_token_ids[-1]
+
+
 def _allocate_slots_refuses_late_decodes() -> None:
     from fastbatch.patches.allocate_slots import PATCH
 
@@ -137,6 +147,7 @@ BUGS: dict[str, Callable[[], None]] = {
     "get_output": lambda: _wrap("sampled_token_lists", _first_sampled_id_flipped),
     "parse_output": lambda: _wrap("rejection_output_lists", _last_accepted_id_dropped),
     "draft_token_ids": lambda: _wrap("draft_token_lists", _first_draft_id_flipped),
+    "update_from_output": lambda: _wrap("take_decode_outputs", _first_taken_token_off),
 }
 
 

@@ -37,16 +37,39 @@ side by side on stand-ins of both scheduler classes (built without
 ``__init__``, with the state the method reads) over real requests and small
 real KV-cache managers (prefix caching on and off, sync and async, block
 boundaries, stops by length, stop token, EOS and after ``min_tokens``).
+
+Shadow check (``FASTBATCH_VERIFY``): the snapshot keeps every scheduled
+request's attribute dict and a copy of it (token lists, block hashes,
+events and per-request records copied; the rest shared).  Right after the
+compiled call, before vLLM's method runs on the requests it left, vLLM's
+``update_from_output`` runs on a stand-in scheduler holding copies of the
+requests taken, over a copy of the KV-cache manager whose block pool only
+records calls; compared per request taken: every attribute, queue and
+registration, its ``EngineCoreOutput``, its KV-cache entries and the block
+pool calls (none allowed); also that the requests left were untouched and,
+after the call, that the outputs are merged in scheduling order.  On a
+difference the compiled call's writes are undone in the same objects and
+vLLM's method runs on the whole step (the state after the call is stock's);
+a wrong merge only has its output list put back in order.
 """
 
 from __future__ import annotations
 
+import collections
+import collections.abc
+import contextlib
 import copy
+import dataclasses
+import enum
+import logging
+from types import SimpleNamespace
 from typing import Any
 
 import fastbatch
 from fastbatch.patches import allocate_slots
-from fastbatch.patches._patch import Patch, instance_dict_problem
+from fastbatch.patches._patch import Patch, Shadow, instance_dict_problem
+
+logger = logging.getLogger("vllm.fastbatch")
 
 MODULE = "vllm.v1.core.sched.scheduler"
 
@@ -120,6 +143,8 @@ _STOCK: Any = None
 _SCHEDULERS: tuple[Any, Any] | None = None  # (Scheduler, AsyncScheduler)
 _PLACEHOLDERS_IN_BASE = True  # vLLM 0.33's rule (else 0.32's)
 _ENGINE_CORE_OUTPUTS: Any = None
+# FASTBATCH_VERIFY: the snapshot of the call about to run (see the shadow below).
+_PENDING: dict[str, Any] | None = None
 
 
 def _output_template(output_type: Any) -> tuple[Any, ...]:
@@ -213,33 +238,553 @@ def _merged(outputs: dict[int, Any], slots: list[Any]) -> dict[int, Any]:
     return {0: own, **outputs}
 
 
-def update_from_output(self: Any, scheduler_output: Any,
-                       model_runner_output: Any) -> dict[int, Any]:
-    """fastbatch's drop-in for ``Scheduler.update_from_output`` (same signature)."""
+def _fast_variant(scheduler: Any, scheduler_output: Any,
+                  model_runner_output: Any) -> int | None:
+    """The placeholder rule to hand the compiled call, or None when the step
+    goes to vLLM's method whole."""
     if _KINDS is None:
         _bind()
-    variant = _variant(self)
-    if (variant is None or not _step_is_plain(self, model_runner_output)
+    variant = _variant(scheduler)
+    if (variant is None or not _step_is_plain(scheduler, model_runner_output)
             # Spec decoding with drafts for every request: nothing to take.
             or len(scheduler_output.scheduled_spec_decode_tokens)
             >= len(scheduler_output.num_scheduled_tokens)):
+        return None
+    return variant
+
+
+def update_from_output(self: Any, scheduler_output: Any,
+                       model_runner_output: Any) -> dict[int, Any]:
+    """fastbatch's drop-in for ``Scheduler.update_from_output`` (same signature)."""
+    global _PENDING
+    check, _PENDING = _PENDING, None  # the shadow's snapshot of this very call, if any
+    variant = _fast_variant(self, scheduler_output, model_runner_output)
+    if variant is None:
         return _STOCK(self, scheduler_output, model_runner_output)
     taken = fastbatch.take_decode_outputs(self, scheduler_output, model_runner_output,
                                           _KINDS, variant)
     if taken is None:
         return _STOCK(self, scheduler_output, model_runner_output)
     slots, rest = taken
+    if (check is not None and check["live"][1] is scheduler_output
+            and not _check_taken(check, slots, rest)):
+        _undo_take(check)  # vLLM's method then runs on the untouched step
+        check["undone"] = True
+        return _STOCK(self, scheduler_output, model_runner_output)
     remaining = copy.copy(scheduler_output)
     remaining.num_scheduled_tokens = rest
-    return _merged(_STOCK(self, remaining, model_runner_output), slots)
+    stock_part = _STOCK(self, remaining, model_runner_output)
+    if check is not None:
+        own = stock_part.get(0)
+        check["rest_outputs"] = list(own.outputs) if own is not None else []
+    return _merged(stock_part, slots)
 
 
+# ---------------------------------------------------------------------------
+# Shadow check (FASTBATCH_VERIFY).  The snapshot copies every scheduled
+# request before the call; right after the compiled call has taken its
+# requests, and before vLLM's method runs on the others, ``_check_taken``
+# runs vLLM's own ``update_from_output`` on a stand-in scheduler holding
+# copies of the requests taken (and a copy of the KV-cache manager that
+# records, and does not do, what the block pool would be asked) and compares.
+# On a difference the compiled call's writes are undone and vLLM's method
+# runs on the whole step, so the state after the call is exactly stock's.
+
+# Request attributes vLLM's method may change in place: copied for the shadow
+# (the rest of a request is shared with its copy and compared by identity).
+_COPIED_LISTS = ("_output_token_ids", "_all_token_ids", "block_hashes", "events",
+                 "spec_token_ids")
+_COPIED_DEEP = ("prefill_stats", "spec_decode_metrics", "streaming_queue",
+                "_prompt_embeds_per_block_hashes")
+_TOKEN_LISTS = ("_output_token_ids", "_all_token_ids", "block_hashes")
+_VIEWS = {"output_token_ids": "_output_token_ids", "all_token_ids": "_all_token_ids"}
+_SCHEDULER_SETTINGS = ("max_model_len", "num_spec_tokens", "num_sampled_tokens_per_step",
+                       "is_mm_encoder_only", "use_v2_model_runner",
+                       "spec_decode_metrics_level", "recompute_kv_load_failures")
+_SCALAR_TYPES = frozenset((type(None), bool, int, float, str, bytes))
+_HASHER = "vllm request_block_hasher"
+_HASHERS: dict[tuple[Any, ...], Any] = {}
 
 
-def _stand_in_scheduler(cls: Any, enable_caching: bool, requests: list[Any]) -> Any:
+def _plain(value: Any, depth: int = 0) -> Any:
+    """``value`` as comparable, picklable data (KV blocks by id, requests by id)."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes, enum.Enum)):
+        return value
+    if depth > 24:
+        return ("too deep", type(value).__qualname__)
+    depth += 1
+    if type(value) is list:
+        if all(type(item) is int for item in value):
+            return list(value)
+        return [_plain(item, depth) for item in value]
+    if isinstance(value, (list, tuple, collections.deque)):
+        return (type(value).__qualname__, [_plain(item, depth) for item in value])
+    if isinstance(value, dict):
+        return (type(value).__qualname__,
+                [(_plain(key, depth), _plain(item, depth)) for key, item in value.items()])
+    if isinstance(value, (set, frozenset)):
+        return ("set", sorted(repr(_plain(item, depth)) for item in value))
+    block_id = getattr(value, "block_id", None)
+    if type(block_id) is int:
+        return ("block", block_id)
+    request_id = getattr(value, "request_id", None)
+    if type(request_id) is str and hasattr(value, "_all_token_ids"):
+        return ("request", request_id)
+    fields = getattr(type(value), "__struct_fields__", None)
+    if fields is not None:
+        return (type(value).__qualname__,
+                {name: _plain(getattr(value, name), depth) for name in fields})
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__qualname__,
+                {field.name: _plain(getattr(value, field.name), depth)
+                 for field in dataclasses.fields(value)})
+    if hasattr(value, "tolist") and hasattr(value, "dtype"):
+        return (type(value).__qualname__, str(value.dtype), value.tolist())
+    if isinstance(value, collections.abc.Iterator):
+        return ("iterator", [_plain(item, depth) for item in value])
+    if hasattr(value, "__dict__") and not callable(value):
+        return (type(value).__qualname__,
+                {name: _plain(item, depth) for name, item in vars(value).items()})
+    return (type(value).__qualname__, repr(value))
+
+
+def _equal(ours: Any, stock: Any) -> bool:
+    try:
+        return bool(ours == stock)
+    except Exception:  # arrays inside: compare as plain data
+        return _plain(ours) == _plain(stock)
+
+
+def _first_difference(ours: Any, stock: Any, path: str = "") -> str | None:
+    if _equal(ours, stock):
+        return None
+    if hasattr(type(ours), "__struct_fields__") and type(ours) is type(stock):
+        return _first_difference(_plain(ours)[1], _plain(stock)[1], path)
+    if type(ours) is not type(stock):
+        return f"{path or 'outcome'}: fastbatch {ours!r:.300}, vLLM {stock!r:.300}"
+    if isinstance(ours, dict):
+        for key in list(ours) + [key for key in stock if key not in ours]:
+            if key not in ours or key not in stock:
+                return (f"{path}[{key!r}]: only in "
+                        f"{'fastbatch' if key in ours else 'vLLM'}'s outcome")
+            found = _first_difference(ours[key], stock[key], f"{path}[{key!r}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(ours, (list, tuple)) and len(ours) == len(stock):
+        for index, (left, right) in enumerate(zip(ours, stock, strict=True)):
+            found = _first_difference(left, right, f"{path}[{index}]")
+            if found is not None:
+                return found
+        return None
+    return f"{path or 'outcome'}: fastbatch {ours!r:.300}, vLLM {stock!r:.300}"
+
+
+class _BlockRef:
+    """A KV-cache block of the shadow's copy of the manager: its id only."""
+
+    __slots__ = ("block_id",)
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+
+
+class _BlockPoolProbe:
+    """The block pool of the shadow's copy of the KV-cache manager: the pool's
+    settings, and a record of every call made to it (none is carried out)."""
+
+    SETTINGS = ("num_gpu_blocks", "medium", "enable_caching", "hash_block_size",
+                "num_hash_lookahead_tokens", "enable_kv_cache_events")
+
+    def __init__(self, pool: Any) -> None:
+        for name in self.SETTINGS:
+            if hasattr(pool, name):
+                setattr(self, name, getattr(pool, name))
+        self.calls: list[Any] = []
+
+    def take_events(self) -> list[Any]:
+        return []
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in self.SETTINGS or name == "calls":
+            raise AttributeError(name)
+
+        def record(*args: Any, **kwargs: Any) -> None:
+            self.calls.append((name, _plain(args), _plain(kwargs)))
+
+        return record
+
+
+def _same(block: Any) -> Any:
+    return block
+
+
+def _block_ref(block: Any) -> _BlockRef:
+    return block if type(block) is _BlockRef else _BlockRef(block.block_id)
+
+
+def _kv_probe(manager: Any, request_ids: Any = None, detach: bool = False) -> Any:
+    """A copy of the KV-cache manager (of ``request_ids``' part of it, or all
+    of a probe's) whose block pool only records: what vLLM's ``cache_blocks``
+    and ``free`` would change is seen in the copy, nothing in vLLM's own.  The
+    copy's block tables hold the very blocks (the calls that would change
+    them are only recorded), or with ``detach`` their ids (for pickling)."""
+    block_ref = _block_ref if detach else _same
+    live_pool = manager.block_pool
+    pool = _BlockPoolProbe(live_pool)
+    probe = copy.copy(manager)
+    probe.block_pool = pool
+    if getattr(probe, "metrics_collector", None) is not None:
+        probe.metrics_collector = None
+    coordinator = copy.copy(manager.coordinator)
+    coordinator.block_pool = pool
+    singles = []
+    for single in manager.coordinator.single_type_managers:
+        clone = copy.copy(single)
+        state = vars(clone)
+        for name, value in list(state.items()):
+            if value is live_pool:
+                state[name] = pool
+            elif type(getattr(value, "block_id", None)) is int:  # the null block
+                state[name] = value = copy.copy(value)
+                for link in ("prev_free_block", "next_free_block"):
+                    if hasattr(value, link):
+                        setattr(value, link, None)  # not the free queue's chain
+                if getattr(value, "pool", None) is live_pool:
+                    value.pool = pool
+            elif type(value) is list:
+                state[name] = []  # records of this step (new blocks, pending copies)
+        blocks, cached = single.req_to_blocks, single.num_cached_block
+        partial = getattr(single, "_partial_hit_reqs", {})
+        ids = list(blocks) if request_ids is None else request_ids
+        clone.req_to_blocks = collections.defaultdict(list, {
+            rid: [block_ref(block) for block in blocks[rid]] if detach else list(blocks[rid])
+            for rid in ids if rid in blocks})
+        ids = list(cached) if request_ids is None else request_ids
+        clone.num_cached_block = {rid: cached[rid] for rid in ids if rid in cached}
+        if hasattr(single, "_partial_hit_reqs"):
+            ids = list(partial) if request_ids is None else request_ids
+            clone._partial_hit_reqs = {rid: (partial[rid][0], block_ref(partial[rid][1]))
+                                       for rid in ids if rid in partial}
+        singles.append(clone)
+    coordinator.single_type_managers = tuple(singles)
+    probe.coordinator = coordinator
+    return probe
+
+
+def _kv_view(manager: Any, request_ids: list[str]) -> Any:
+    """Per single-type manager, what it keeps of each request: cached block
+    count, block ids, partial hit."""
+    view = []
+    for single in manager.coordinator.single_type_managers:
+        blocks, partial = single.req_to_blocks, getattr(single, "_partial_hit_reqs", {})
+        view.append({rid: (single.num_cached_block.get(rid),
+                           [block.block_id for block in blocks[rid]] if rid in blocks else None,
+                           _plain(partial.get(rid)))
+                     for rid in request_ids})
+    return view
+
+
+def _kv_calls(manager: Any) -> list[Any]:
+    """What the shadow's copy of the KV-cache manager was asked to do."""
+    calls = list(manager.block_pool.calls)
+    for index, single in enumerate(manager.coordinator.single_type_managers):
+        for name, value in vars(single).items():
+            if type(value) is list and value:
+                calls.append((f"group {index} {name}", _plain(value)))
+    return calls
+
+
+def _hasher_description(hasher: Any) -> Any:
+    """vLLM's block hasher as picklable data (rebuilt on replay), or as is."""
+    code = getattr(hasher, "__code__", None)
+    if code is None or hasher.__closure__ is None:
+        return hasher
+    cells = dict(zip(code.co_freevars, [cell.cell_contents for cell in hasher.__closure__],
+                     strict=True))
+    if "hash_block_size" not in cells or "caching_hash_fn" not in cells:
+        return hasher
+    return (_HASHER, cells["hash_block_size"], cells["caching_hash_fn"],
+            cells.get("num_hash_lookahead_tokens", 0))
+
+
+def _rebuild_hasher(description: tuple[Any, ...]) -> Any:
+    hasher = _HASHERS.get(description)
+    if hasher is None:
+        from vllm.v1.core import kv_cache_utils
+
+        _, block_size, hash_fn, lookahead = description
+        if getattr(kv_cache_utils, "NONE_HASH", None) is None:
+            kv_cache_utils.init_none_hash(hash_fn)
+        hasher = (kv_cache_utils.get_request_block_hasher(block_size, hash_fn, lookahead)
+                  if lookahead else kv_cache_utils.get_request_block_hasher(block_size, hash_fn))
+        _HASHERS[description] = hasher
+    return hasher
+
+
+def _copy_request(request: Any) -> Any:
+    """A copy of ``request`` that vLLM's method can change freely: its lists
+    and per-request records copied, everything else shared."""
+    from vllm.v1.utils import ConstantList
+
+    clone = copy.copy(request)
+    state = vars(clone)
+    for name in _COPIED_LISTS:
+        if type(state.get(name)) is list:
+            state[name] = list(state[name])
+    for name in _COPIED_DEEP:
+        if state.get(name) is not None:
+            state[name] = copy.deepcopy(state[name])
+    for view, name in _VIEWS.items():
+        if view in state and type(state.get(name)) is list:
+            state[view] = ConstantList(state[name])
+    hasher = state.get("_block_hasher")
+    if type(hasher) is tuple and hasher[:1] == (_HASHER,):
+        state["_block_hasher"] = _rebuild_hasher(hasher)
+    return clone
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str, bytes, enum.Enum))
+
+
+def _request_state(request: Any) -> dict[str, Any]:
+    """Every instance attribute of ``request``: the copied ones by value, the
+    token-list views by whether they still show the request's lists, scalars
+    by value, any other object by identity (it is shared with the copy)."""
+    state = vars(request)
+    out: dict[str, Any] = {}
+    for name, value in state.items():
+        if name in _VIEWS:
+            out[name] = getattr(value, "_x", None) is state.get(_VIEWS[name])
+        elif name in _TOKEN_LISTS and type(value) is list:
+            out[name] = list(value)  # ints (hashes: bytes): compared as they are
+        elif name == "_block_hasher":
+            continue  # read only; rebuilt on replay
+        elif type(value) in _SCALAR_TYPES:
+            out[name] = value
+        elif name in _COPIED_LISTS or name in _COPIED_DEEP or _is_scalar(value):
+            out[name] = _plain(value)
+        else:
+            out[name] = ("the same object", id(value))
+    return out
+
+
+def _outcome_of(scheduler: Any, taken: list[str], requests: dict[str, Any],
+                results: dict[int, Any], kv_calls: list[Any]) -> dict[str, Any]:
+    """What a call did to the requests ``taken``: each one's state, queue and
+    registration, its output (per front-end, in order), the finished sets,
+    and the KV cache's part of it."""
+    running = {id(request) for request in scheduler.running}
+    finished, registered = scheduler.finished_req_ids, scheduler.requests
+    wanted = set(taken)
+    outputs = {}
+    for client, engine_core_outputs in results.items():
+        own = [output for output in engine_core_outputs.outputs
+               if output.request_id in wanted]
+        done = sorted(wanted & set(engine_core_outputs.finished_requests or ()))
+        if own or done:
+            outputs[client] = {"order": [output.request_id for output in own],
+                               # EngineCoreOutput structs (compared field by field)
+                               "outputs": {output.request_id: output for output in own},
+                               "finished": done}
+    return {
+        "requests": {rid: (_request_state(requests[rid]), id(requests[rid]) in running,
+                           registered.get(rid) is requests[rid], rid in finished)
+                     for rid in taken},
+        "outputs": outputs,
+        "kv": _kv_view(scheduler.kv_cache_manager, taken),
+        "kv_calls": kv_calls,
+    }
+
+
+def _snapshot(scheduler: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+    """Before the call: every scheduled request (its attributes, and a copy),
+    the sampled rows, the scheduler's settings; None where the step goes to
+    vLLM's method whole (nothing to check)."""
+    global _PENDING
+    _PENDING = None
+    if _fast_variant(scheduler, scheduler_output, model_runner_output) is None:
+        return None
+    requests = scheduler.requests
+    saved = {}
+    for rid in scheduler_output.num_scheduled_tokens:
+        request = requests.get(rid)
+        if request is not None and hasattr(request, "__dict__"):
+            saved[rid] = (request, dict(vars(request)), _copy_request(request))
+    rows = model_runner_output.sampled_token_ids
+    runner = copy.copy(model_runner_output)
+    runner.sampled_token_ids = [list(row) if type(row) is list else row for row in rows]
+    inputs = {
+        "cls": type(scheduler),
+        "settings": {name: getattr(scheduler, name) for name in _SCHEDULER_SETTINGS
+                     if hasattr(scheduler, name)},
+        "scheduled": dict(scheduler_output.num_scheduled_tokens),
+        "spec": dict(scheduler_output.scheduled_spec_decode_tokens),
+        "runner": runner,
+        "requests": {rid: entry[2] for rid, entry in saved.items()},
+        "live": (scheduler, scheduler_output, model_runner_output, saved, list(rows)),
+    }
+    _PENDING = inputs
+    return inputs
+
+
+def _run(function: Any, inputs: dict[str, Any]) -> Any:
+    """``function`` (vLLM's method, or fastbatch's on replay) on a stand-in
+    scheduler holding fresh copies of the requests taken; its outcome."""
+    taken = inputs.get("taken")
+    if not taken:
+        return None  # nothing was taken: vLLM's method ran on the whole step
+    memo = inputs.get("memo")
+    if memo is not None and memo[0] is function:
+        return memo[1]
+    requests = [_copy_request(inputs["requests"][rid]) for rid in taken]
+    scheduler = _stand_in_scheduler(inputs["cls"], True, requests,
+                                    manager=_kv_probe(inputs["kv"]))
+    scheduler.__dict__.update(inputs["settings"])
+    scheduled = {rid: inputs["scheduled"][rid] for rid in taken}
+    scheduler_output = SimpleNamespace(
+        num_scheduled_tokens=scheduled,
+        scheduled_spec_decode_tokens={rid: inputs["spec"][rid] for rid in taken
+                                      if rid in inputs["spec"]},
+        total_num_scheduled_tokens=sum(scheduled.values()), num_invalid_spec_tokens=None)
+    runner = copy.copy(inputs["runner"])
+    runner.sampled_token_ids = [list(row) if type(row) is list else row
+                                for row in runner.sampled_token_ids]
+    try:
+        results = function(scheduler, scheduler_output, runner)
+    except Exception as exc:  # a plain outcome: FASTBATCH_VERIFY must not raise it
+        return {"raised": f"{type(exc).__name__}: {exc}"}
+    return _outcome_of(scheduler, taken, {request.request_id: request for request in requests},
+                       results, _kv_calls(scheduler.kv_cache_manager))
+
+
+def _check_taken(check: dict[str, Any], slots: list[Any], rest: dict[str, Any]) -> bool:
+    """Right after the compiled call: vLLM's method on copies of the requests
+    it took, compared with what it did to them; True if they agree."""
+    scheduler, scheduler_output, _, saved, _ = check["live"]
+    try:
+        taken = [rid for rid in scheduler_output.num_scheduled_tokens if rid not in rest]
+        outputs = [slot for slot in slots if type(slot) is not str]
+        check["taken"], check["slot_outputs"] = taken, outputs
+        check["kv"] = _kv_probe(scheduler.kv_cache_manager, taken)
+        ours = _outcome_of(scheduler, taken, {rid: saved[rid][0] for rid in taken},
+                           {0: SimpleNamespace(outputs=outputs, finished_requests=None)}, [])
+        ours["untouched"] = [rid for rid, (request, _, clone) in saved.items()
+                             if rid not in ours["requests"]
+                             and _request_state(request) != _request_state(clone)]
+        stock = _run(_STOCK, check)
+    except Exception:  # the shadow's own failure: vLLM's method takes the step, unchecked
+        logger.exception("fastbatch: FASTBATCH_VERIFY could not check update_from_output; "
+                         "vLLM's method runs this step")
+        check["taken"] = None
+        return False
+    stock["untouched"] = []
+    check["ours"], check["memo"] = ours, (_STOCK, stock)
+    return _compare(ours, stock) is None
+
+
+def _undo_take(check: dict[str, Any]) -> None:
+    """Put back every scheduled request and sampled row as they were before
+    the compiled call (the same objects, their contents as snapshotted)."""
+    _, _, model_runner_output, saved, rows = check["live"]
+    for request, attributes, clone in saved.values():
+        state = vars(request)
+        state.clear()
+        state.update(attributes)
+        copied = vars(clone)
+        for name in _COPIED_LISTS:
+            if type(attributes.get(name)) is list:
+                attributes[name][:] = copied[name]
+        table = attributes.get("_prompt_embeds_per_block_hashes")
+        if type(table) is dict:
+            table.clear()
+            table.update(copied["_prompt_embeds_per_block_hashes"])
+    model_runner_output.sampled_token_ids[:] = rows
+    for row, copied_row in zip(rows, check["runner"].sampled_token_ids, strict=True):
+        if type(row) is list:
+            row[:] = copied_row
+
+
+def _expected_outputs(inputs: dict[str, Any]) -> list[Any]:
+    """Front-end 0's outputs as vLLM's single loop orders them: by scheduling
+    order (a plain step has no output from outside the loop)."""
+    order = {rid: index for index, rid in enumerate(inputs["scheduled"])}
+    return sorted(inputs["rest_outputs"] + inputs["slot_outputs"],
+                  key=lambda output: order.get(output.request_id, len(order)))
+
+
+def _outcome(inputs: dict[str, Any], result: Any, *args: Any) -> Any:
+    ours = inputs.get("ours")
+    if ours is None or "rest_outputs" not in inputs:
+        return ours  # nothing taken, or the check failed before vLLM's method ran
+    own = result.get(0)
+    got = own.outputs if own is not None else []
+    expected = _expected_outputs(inputs)
+    merged = len(got) == len(expected) and all(
+        left is right for left, right in zip(got, expected, strict=False))
+    return {**ours, "merged": merged}
+
+
+def _compare(ours: Any, stock: Any) -> str | None:
+    if ours is None or stock is None:
+        return None if ours is stock else f"fastbatch {ours!r:.300}, vLLM {stock!r:.300}"
+    ours, stock = dict(ours), dict(stock)
+    untouched = ours.pop("untouched", [])
+    stock.pop("untouched", None)
+    if untouched:
+        return f"the compiled call changed requests it left to vLLM: {untouched[:20]}"
+    if not ours.pop("merged", True):
+        return "fastbatch's outputs are not merged in vLLM's order"
+    stock.pop("merged", None)
+    return _first_difference(ours, stock)
+
+
+def _restore(inputs: dict[str, Any], stock: Any, result: Any, *args: Any) -> Any:
+    """vLLM's result, in the objects vLLM holds: after a difference in the
+    requests taken, the call has already undone the compiled call's writes
+    and run vLLM's method on the whole step; after a wrong merge, front-end
+    0's outputs are put in vLLM's order; if fastbatch raised, the writes are
+    undone and vLLM's method runs."""
+    if inputs.get("undone"):
+        return result
+    if "rest_outputs" in inputs and result is not None:
+        result[0].outputs = _expected_outputs(inputs)
+        return result
+    scheduler, scheduler_output, model_runner_output = inputs["live"][:3]
+    _undo_take(inputs)
+    return _STOCK(scheduler, scheduler_output, model_runner_output)
+
+
+def _for_reproducer(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The inputs of the requests taken, without the live objects; vLLM's
+    block hasher as data."""
+    kept = {key: value for key, value in inputs.items()
+            if key not in ("live", "memo", "ours", "rest_outputs", "slot_outputs",
+                           "requests", "undone")}
+    requests = {}
+    for rid in inputs.get("taken") or ():
+        clone = copy.copy(inputs["requests"][rid])
+        hasher = vars(clone).get("_block_hasher")
+        if hasher is not None:
+            with contextlib.suppress(Exception):  # else as is: it may not pickle
+                clone._block_hasher = _hasher_description(hasher)
+        requests[rid] = clone
+    kept["requests"] = requests
+    if kept.get("kv") is not None:
+        kept["kv"] = _kv_probe(kept["kv"], detach=True)
+    return kept
+
+
+SHADOW = Shadow(snapshot=_snapshot, run=_run, outcome=_outcome, restore=_restore,
+                compare=_compare, for_reproducer=_for_reproducer)
+
+
+def _stand_in_scheduler(cls: Any, enable_caching: bool, requests: list[Any],
+                        manager: Any = None) -> Any:
     """A ``cls`` instance with just the state ``update_from_output`` reads on
     a step without connectors, stats or structured output (no engine: the
-    check must be cheap), over a small real KV-cache manager."""
+    check must be cheap), over ``manager`` or a small real KV-cache manager."""
     from collections import defaultdict
     from types import SimpleNamespace
 
@@ -249,7 +794,9 @@ def _stand_in_scheduler(cls: Any, enable_caching: bool, requests: list[Any]) -> 
     scheduler = object.__new__(cls)
     scheduler.__dict__.update(
         requests={request.request_id: request for request in requests},
-        running=list(requests), kv_cache_manager=allocate_slots._small_manager(enable_caching),
+        running=list(requests),
+        kv_cache_manager=(allocate_slots._small_manager(enable_caching) if manager is None
+                          else manager),
         max_model_len=64, num_spec_tokens=0, num_sampled_tokens_per_step=1,
         defer_block_free=False, perf_metrics=None, connector=None, ec_connector=None,
         aux_output_connector=None, return_sampling_mask=False, is_mm_encoder_only=False,
@@ -374,4 +921,4 @@ def activation_check(method: Any, replacement: Any) -> str | None:
 
 PATCH = Patch(f"{MODULE}:Scheduler.update_from_output", update_from_output,
               fingerprints=VERIFIED_FINGERPRINTS, activation_check=activation_check,
-              companions=COMPANION_FINGERPRINTS)
+              companions=COMPANION_FINGERPRINTS, shadow=SHADOW)
