@@ -41,6 +41,12 @@ REAL_TENSOR_KERNEL = fastbatch.output_tokens_tensor
 BIG_ID = 1000  # above every id of the activation checks' synthetic inputs
 
 
+def test_every_piece_has_a_shadow_on_every_patch():
+    """With FASTBATCH_VERIFY on, no piece is left stock (the penalties' masking
+    is not a check of its own: under verify it stays vLLM's)."""
+    assert SHADOWED == registry.NAMES
+
+
 def output_kernel_wrong_for_big_ids(req_ids, prev, outputs, sampled, copy_ready=None):
     """The real kernel, then every list ending in an id >= BIG_ID gets it plus one."""
     REAL_OUTPUT_KERNEL(req_ids, prev, outputs, sampled, copy_ready)

@@ -109,10 +109,11 @@ def _first_draft_id_flipped(rows, buffer, num_reqs, num_spec_tokens):
         rows[0][0] ^= 1
 
 
-def _first_taken_token_off(slots, scheduler, *rest):
+def _first_taken_token_off(result, scheduler, *rest):
     """The last token of the first request taken (a slot that is not a
     request id) made wrong in both of its token lists."""
-    taken = [slot for slot in slots or () if not isinstance(slot, str)]
+    slots = () if result is None else result[0]
+    taken = [slot for slot in slots if not isinstance(slot, str)]
     if len(taken) > BIG_BATCH:
         request = scheduler.requests[taken[0].request_id]
         request._output_token_ids[-1] += 1
