@@ -130,3 +130,39 @@ def logs():
     yield handler
     logger.removeHandler(handler)
     logger.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def checked_method(request):
+    """``checked_method(rate=1.0)``: the test module's ``PIECE`` installed with
+    ``rate`` of its calls checked (once per installation); what then stands at
+    its main target (the checked method)."""
+    piece = request.module.PIECE
+
+    def install(rate=1.0):
+        if not piece.main.is_applied():
+            assert piece.apply(verify=rate)
+        assert piece.main.verify_rate == rate
+        return piece.main.current()
+
+    return install
+
+
+@pytest.fixture
+def verify_dir(request, monkeypatch, tmp_path):
+    """FASTBATCH_VERIFY's reproducers go to tmp_path; the test module's
+    ``PIECE`` stock before and after."""
+    piece = request.module.PIECE
+    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
+    piece.revert()
+    yield tmp_path
+    piece.revert()
+
+
+@pytest.fixture(scope="module")
+def verified_piece(request):
+    """The test module's ``PIECE`` stock before and after a module's checked runs."""
+    piece = request.module.PIECE
+    piece.revert()
+    yield
+    piece.revert()

@@ -548,41 +548,15 @@ def kernel_wrong_for_big_batches(req_ids, requests, num_sampled_tokens, *rest):
     return found
 
 
-def _verified(rate=1.0):
-    """The piece installed with ``rate`` of its calls checked (once)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    if not PIECE.main.is_applied():
-        assert PIECE.apply(verify=rate)
-    assert PIECE.main.verify_rate == rate
-    return GPUModelRunner._bookkeeping_sync
-
-
-@pytest.fixture
-def verify_dir(monkeypatch, tmp_path):
-    """Reproducers go to tmp_path; the piece stock before and after."""
-    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
-    PIECE.revert()
-    yield tmp_path
-    PIECE.revert()
-
-
-@pytest.fixture(scope="module")
-def verified_piece():
-    PIECE.revert()
-    yield
-    PIECE.revert()
-
-
 @pytest.mark.vllm
 @pytest.mark.usefixtures("verified_piece")
 @settings(max_examples=EXAMPLES)
 @given(step=runner_steps())
-def test_verify_finds_no_divergence_on_real_steps(step):
+def test_verify_finds_no_divergence_on_real_steps(step, checked_method):
     """Every call checked against the real method (vLLM's exceptions
     included): no divergence, and the runner as vLLM's method leaves it."""
     note(repr(step))
-    method = _verified()
+    method = checked_method()
     stock, ours = _runner(step), _runner(step)
     checked = PIECE.main.checked
     expected = _run_method(vllm_method(), *stock)
@@ -612,8 +586,8 @@ def _with_generator(runner):
 @pytest.mark.vllm
 @pytest.mark.parametrize("use_async", [True, False])
 def test_verify_catches_a_bug_the_activation_check_cannot_see(verify_dir, monkeypatch, logs,
-                                                             use_async):
-    method = _verified()  # the activation check passed with the real kernel
+                                                             use_async, checked_method):
+    method = checked_method()  # the activation check passed with the real kernel
     monkeypatch.setattr(fastbatch, "append_sampled_token_ids", kernel_wrong_for_big_batches)
     small = _big_step(use_async)
     small.prompt_lens, small.outputs = small.prompt_lens[:3], small.outputs[:3]
@@ -660,13 +634,13 @@ def test_verify_catches_a_bug_the_activation_check_cannot_see(verify_dir, monkey
 
 
 @pytest.mark.vllm
-def test_verify_sampled_checks_only_some_calls(verify_dir, monkeypatch):
+def test_verify_sampled_checks_only_some_calls(verify_dir, monkeypatch, checked_method):
     import random
 
     from fastbatch import _verify
 
     monkeypatch.setattr(_verify, "random", SimpleNamespace(Random=lambda: random.Random(19)))
-    method = _verified(0.25)
+    method = checked_method(0.25)
     draws = random.Random(19)
     expected = sum(draws.random() < 0.25 for _ in range(100))
     step = _big_step(True)

@@ -10,7 +10,6 @@ and replayed, sampled checks).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import pickle
@@ -27,6 +26,7 @@ from id_rows import assert_plain_rows, id_tensors
 import fastbatch
 from fastbatch import _kernels, _reference, _verify, registry, vllm_plugin
 from leaks import assert_no_leak
+from verification import applied_with_verify
 
 IMPLEMENTATIONS = [_kernels.draft_token_lists, _reference.draft_token_lists]
 
@@ -230,28 +230,10 @@ def test_plugin_disable_by_the_deprecated_name_drafts(monkeypatch, logs):
 REAL_LISTS = fastbatch.draft_token_lists
 
 
-@contextlib.contextmanager
-def applied_with_verify(rate):
-    """The piece applied with ``rate`` of its calls checked; its earlier state
-    (stock, or applied at its earlier rate) back afterwards, with the real
-    kernel (a test plants a wrong one after the activation check)."""
-    piece = registry.piece("draft_token_ids")
-    before = piece.main.verify_rate if piece.is_applied() else None
-    piece.revert()
-    assert piece.apply(verify=rate)
-    try:
-        yield piece.main
-    finally:
-        fastbatch.draft_token_lists = REAL_LISTS
-        piece.revert()
-        if before is not None:
-            assert piece.apply(verify=before)
-
-
 @pytest.fixture(scope="module")
 def verified():
     """The piece applied with every call checked (for hypothesis)."""
-    with applied_with_verify(1.0) as patch:
+    with applied_with_verify("draft_token_ids", 1.0) as patch:
         yield patch
 
 
@@ -313,7 +295,7 @@ def test_shadow_catches_a_bug_the_activation_check_cannot_see(monkeypatch, tmp_p
     buffer = torch.arange(100, 140, dtype=torch.int64).view(10, 4)
     req_ids = [f"req-{i}" for i in range(8)]
     drafts = torch.zeros((8, 3), dtype=torch.int64)
-    with applied_with_verify(1.0) as patch:
+    with applied_with_verify("draft_token_ids", 1.0) as patch:
         monkeypatch.setattr(fastbatch, "draft_token_lists", planted)  # after the check
         small = real_runner(drafts[:2], buffer.clone(), req_ids[:2])
         assert small._get_draft_token_ids_cpu() == ([[100, 101, 102], [104, 105, 106]],
@@ -361,7 +343,7 @@ def test_shadow_puts_back_what_a_wrong_kernel_writes_into_the_buffer(monkeypatch
         return rows
 
     buffer = torch.arange(12, dtype=torch.int64).view(4, 3)
-    with applied_with_verify(1.0) as patch:
+    with applied_with_verify("draft_token_ids", 1.0) as patch:
         monkeypatch.setattr(fastbatch, "draft_token_lists", scribbles)
         runner = real_runner(torch.zeros((2, 2), dtype=torch.int64), buffer.clone(), ["a", "b"])
         got = runner._get_draft_token_ids_cpu()
@@ -379,7 +361,7 @@ def test_sampled_verify_checks_some_calls(monkeypatch):
     expected = sum(draws.random() < rate for _ in range(calls))
     assert 0 < expected < calls
     buffer = torch.arange(12, dtype=torch.int64).view(4, 3)
-    with applied_with_verify(rate) as patch:
+    with applied_with_verify("draft_token_ids", rate) as patch:
         for _ in range(calls):
             runner = real_runner(torch.zeros((2, 2), dtype=torch.int64), buffer, ["a", "b"])
             assert runner._get_draft_token_ids_cpu() == ([[0, 1], [3, 4]], ["a", "b"])

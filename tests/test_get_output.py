@@ -10,7 +10,6 @@ bug caught and replayed, sampled checks).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import pickle
@@ -27,6 +26,7 @@ from id_rows import assert_plain_rows, id_tensors
 import fastbatch
 from fastbatch import _kernels, _reference, _verify, registry, vllm_plugin
 from leaks import assert_no_leak
+from verification import applied_with_verify
 
 IMPLEMENTATIONS = [_kernels.sampled_token_lists, _reference.sampled_token_lists]
 
@@ -258,28 +258,10 @@ def test_plugin_applies_and_reverts(vllm_runner, monkeypatch):
 # --- FASTBATCH_VERIFY: the shadow check ------------------------------------
 
 
-@contextlib.contextmanager
-def applied_with_verify(rate):
-    """The piece applied with ``rate`` of its calls checked; its earlier state
-    (stock, or applied at its earlier rate) back afterwards, with the real
-    kernel (a test plants a wrong one after the activation check)."""
-    piece = registry.piece("get_output")
-    before = piece.main.verify_rate if piece.is_applied() else None
-    piece.revert()
-    assert piece.apply(verify=rate)
-    try:
-        yield piece.main
-    finally:
-        fastbatch.sampled_token_lists = REAL_LISTS
-        piece.revert()
-        if before is not None:
-            assert piece.apply(verify=before)
-
-
 @pytest.fixture(scope="module")
 def verified(vllm_runner):
     """The piece applied with every call checked (for hypothesis)."""
-    with applied_with_verify(1.0) as patch:
+    with applied_with_verify("get_output", 1.0) as patch:
         yield patch
 
 
@@ -340,7 +322,7 @@ def test_shadow_catches_a_bug_the_activation_check_cannot_see(vllm_runner, monke
 
     sampled = torch.arange(100, 112, dtype=torch.int32).view(12, 1)
     invalid = [3, -1]
-    with applied_with_verify(1.0) as patch:
+    with applied_with_verify("get_output", 1.0) as patch:
         monkeypatch.setattr(fastbatch, "sampled_token_lists", planted)  # after the check
         small = real_output(vllm_runner, sampled[:4], [1])
         assert cls.get_output(small).sampled_token_ids == [[100], [], [102], [103]]
@@ -394,7 +376,7 @@ def test_shadow_puts_back_what_a_wrong_kernel_writes_into_its_inputs(vllm_runner
         return rows
 
     sampled = torch.tensor([[5], [6], [7]], dtype=torch.int64)
-    with applied_with_verify(1.0) as patch:
+    with applied_with_verify("get_output", 1.0) as patch:
         monkeypatch.setattr(fastbatch, "sampled_token_lists", scribbles)
         live = real_output(vllm_runner, sampled.clone(), [1])
         got = vllm_runner.AsyncGPUModelRunnerOutput.get_output(live)
@@ -414,7 +396,7 @@ def test_sampled_verify_checks_some_calls(vllm_runner, monkeypatch):
     expected = sum(draws.random() < rate for _ in range(calls))
     assert 0 < expected < calls
     sampled = torch.tensor([[5], [6]], dtype=torch.int32)
-    with applied_with_verify(rate) as patch:
+    with applied_with_verify("get_output", rate) as patch:
         for _ in range(calls):
             output = real_output(vllm_runner, sampled, [0])
             assert vllm_runner.AsyncGPUModelRunnerOutput.get_output(

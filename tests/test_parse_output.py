@@ -9,7 +9,6 @@ a planted bug caught and replayed, sampled checks).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import pickle
@@ -26,6 +25,7 @@ from id_rows import VOCAB_SIZE, assert_plain_rows, id_tensors
 import fastbatch
 from fastbatch import _kernels, _reference, _verify, registry, vllm_plugin
 from leaks import assert_no_leak
+from verification import applied_with_verify
 
 IMPLEMENTATIONS = [_kernels.rejection_output_lists, _reference.rejection_output_lists]
 VOCAB_SIZES = st.one_of(st.just(VOCAB_SIZE), st.integers(-3, VOCAB_SIZE + 2),
@@ -275,28 +275,10 @@ def test_plugin_applies_and_reverts(monkeypatch):
 # --- FASTBATCH_VERIFY: the shadow check ------------------------------------
 
 
-@contextlib.contextmanager
-def applied_with_verify(rate):
-    """The piece applied with ``rate`` of its calls checked; its earlier state
-    (stock, or applied at its earlier rate) back afterwards, with the real
-    kernel (a test plants a wrong one after the activation check)."""
-    piece = registry.piece("parse_output")
-    before = piece.main.verify_rate if piece.is_applied() else None
-    piece.revert()
-    assert piece.apply(verify=rate)
-    try:
-        yield piece.main
-    finally:
-        fastbatch.rejection_output_lists = REAL_LISTS
-        piece.revert()
-        if before is not None:
-            assert piece.apply(verify=before)
-
-
 @pytest.fixture(scope="module")
 def verified():
     """The piece applied with every call checked (for hypothesis)."""
-    with applied_with_verify(1.0) as patch:
+    with applied_with_verify("parse_output", 1.0) as patch:
         yield patch
 
 
@@ -385,7 +367,7 @@ def test_shadow_catches_a_bug_the_activation_check_cannot_see(monkeypatch, tmp_p
                        dtype=torch.int64)
     ids[2, 1:] = -1
     discard = [5]
-    with applied_with_verify(1.0) as patch:
+    with applied_with_verify("parse_output", 1.0) as patch:
         monkeypatch.setattr(fastbatch, "rejection_output_lists", planted)  # after the check
         assert RejectionSampler.parse_output(ids[:4], 512, []) == (
             [[0, 1, 2], [10, 11, 12], [20], [30, 31, 32]], None)
@@ -433,7 +415,7 @@ def test_shadow_puts_back_what_a_wrong_kernel_writes_into_the_ids(monkeypatch, t
         return rows
 
     ids = torch.tensor([[1, 2], [3, -1]], dtype=torch.int32)
-    with applied_with_verify(1.0) as patch:
+    with applied_with_verify("parse_output", 1.0) as patch:
         monkeypatch.setattr(fastbatch, "rejection_output_lists", scribbles)
         live = ids.clone()
         assert_exactly(RejectionSampler.parse_output(live, 512, []), ([[1, 2], [3]], None))
@@ -453,7 +435,7 @@ def test_sampled_verify_checks_some_calls(monkeypatch):
     expected = sum(draws.random() < rate for _ in range(calls))
     assert 0 < expected < calls
     ids = torch.tensor([[1, 2], [3, -1]], dtype=torch.int32)
-    with applied_with_verify(rate) as patch:
+    with applied_with_verify("parse_output", rate) as patch:
         for _ in range(calls):
             assert RejectionSampler.parse_output(ids, 512, [0]) == ([[], [3]], None)
         assert (patch.checked, patch.divergences) == (expected, 0)

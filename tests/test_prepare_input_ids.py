@@ -512,41 +512,15 @@ def kernel_wrong_for_big_batches(req_ids, prev_positions, cu_num_tokens, spec_to
     return common, spec, _, max_flattened_index
 
 
-def _verified(rate=1.0):
-    """The piece installed with ``rate`` of its calls checked (once)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    if not PIECE.main.is_applied():
-        assert PIECE.apply(verify=rate)
-    assert PIECE.main.verify_rate == rate
-    return GPUModelRunner._prepare_input_ids
-
-
-@pytest.fixture
-def verify_dir(monkeypatch, tmp_path):
-    """Reproducers go to tmp_path; the piece stock before and after."""
-    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
-    PIECE.revert()
-    yield tmp_path
-    PIECE.revert()
-
-
-@pytest.fixture(scope="module")
-def verified_piece():
-    PIECE.revert()
-    yield
-    PIECE.revert()
-
-
 @pytest.mark.vllm
 @pytest.mark.usefixtures("verified_piece")
 @given(keywords=runner_steps())
-def test_verify_finds_no_divergence_on_real_steps(keywords):
+def test_verify_finds_no_divergence_on_real_steps(keywords, checked_method):
     """Every call checked against the real method: no divergence, every
     buffer as vLLM's method leaves it; the first step (no previous sampled
     ids, no loop) is not checked."""
     note(repr(keywords))
-    method = _verified()
+    method = checked_method()
     stock, ours = stand_in_call(**keywords), stand_in_call(**keywords)
     checked = PIECE.main.checked
     vllm_method()(stock.runner, *stock.arguments)
@@ -563,8 +537,9 @@ BIG_STEP = dict(req_ids=[f"r{i}" for i in range(8)], prev_positions=[7, 6, 5, 4,
 
 
 @pytest.mark.vllm
-def test_verify_catches_a_bug_the_activation_check_cannot_see(verify_dir, monkeypatch, logs):
-    method = _verified()  # the activation check passed with the real kernel
+def test_verify_catches_a_bug_the_activation_check_cannot_see(verify_dir, monkeypatch, logs,
+                                                              checked_method):
+    method = checked_method()  # the activation check passed with the real kernel
     monkeypatch.setattr(fastbatch, "prepare_input_ids_indices", kernel_wrong_for_big_batches)
     small = dict(BIG_STEP, req_ids=["a", "b"], prev_positions=[1, 0], num_scheduled=[1, 1],
                  scheduled_spec_tokens={})
@@ -604,14 +579,14 @@ def test_verify_catches_a_bug_the_activation_check_cannot_see(verify_dir, monkey
 
 
 @pytest.mark.vllm
-def test_verify_sampled_checks_only_some_calls(verify_dir, monkeypatch):
+def test_verify_sampled_checks_only_some_calls(verify_dir, monkeypatch, checked_method):
     import random
     from types import SimpleNamespace
 
     from fastbatch import _verify
 
     monkeypatch.setattr(_verify, "random", SimpleNamespace(Random=lambda: random.Random(19)))
-    method = _verified(0.25)
+    method = checked_method(0.25)
     draws = random.Random(19)
     expected = sum(draws.random() < 0.25 for _ in range(200))
     stock = stand_in_call(**BIG_STEP)

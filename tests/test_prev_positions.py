@@ -372,40 +372,14 @@ def kernel_wrong_for_big_batches(req_ids, prev, column, num_reqs):
     return found
 
 
-def _verified(rate=1.0):
-    """The piece installed with ``rate`` of its calls checked (once)."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    if not PIECE.main.is_applied():
-        assert PIECE.apply(verify=rate)
-    assert PIECE.main.verify_rate == rate
-    return GPUModelRunner._compute_prev_positions
-
-
-@pytest.fixture
-def verify_dir(monkeypatch, tmp_path):
-    """Reproducers go to tmp_path; the piece stock before and after."""
-    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
-    PIECE.revert()
-    yield tmp_path
-    PIECE.revert()
-
-
-@pytest.fixture(scope="module")
-def verified_piece():
-    PIECE.revert()
-    yield
-    PIECE.revert()
-
-
 @pytest.mark.vllm
 @pytest.mark.usefixtures("verified_piece")
 @given(step=steps())
-def test_verify_finds_no_divergence_on_real_steps(step):
+def test_verify_finds_no_divergence_on_real_steps(step, checked_method):
     """Every call checked against the real method: no divergence, and the
     column is what vLLM's method leaves."""
     note(repr(step))
-    method = _verified()
+    method = checked_method()
     req_ids, prev_map, num_reqs = step
     stock, ours = _runner(req_ids, prev_map, 16), _runner(req_ids, prev_map, 16)
     checked = PIECE.main.checked
@@ -417,8 +391,9 @@ def test_verify_finds_no_divergence_on_real_steps(step):
 
 
 @pytest.mark.vllm
-def test_verify_catches_a_bug_the_activation_check_cannot_see(verify_dir, monkeypatch, logs):
-    method = _verified()  # the activation check passed with the real kernel
+def test_verify_catches_a_bug_the_activation_check_cannot_see(verify_dir, monkeypatch, logs,
+                                                              checked_method):
+    method = checked_method()  # the activation check passed with the real kernel
     monkeypatch.setattr(fastbatch, "compute_prev_positions", kernel_wrong_for_big_batches)
     req_ids = [f"req-{i}" for i in range(8)]
     prev = {req_id: 9 - i for i, req_id in enumerate(req_ids[:6])}
@@ -458,13 +433,13 @@ def test_verify_catches_a_bug_the_activation_check_cannot_see(verify_dir, monkey
 
 
 @pytest.mark.vllm
-def test_verify_sampled_checks_only_some_calls(verify_dir, monkeypatch):
+def test_verify_sampled_checks_only_some_calls(verify_dir, monkeypatch, checked_method):
     import random
 
     from fastbatch import _verify
 
     monkeypatch.setattr(_verify, "random", SimpleNamespace(Random=lambda: random.Random(19)))
-    method = _verified(0.25)
+    method = checked_method(0.25)
     draws = random.Random(19)
     expected = sum(draws.random() < 0.25 for _ in range(200))
     stock = _runner(["a", "b", "c"], {"a": 2, "c": 0}, 4)
