@@ -102,12 +102,6 @@ class Piece:
         """True while any patch of the piece is applied in this process."""
         return any(patch.is_applied() for patch in self.patches)
 
-    def stats(self) -> dict[str, int]:
-        """The counters of the implementation in use (``fastbatch.stats()[name]``)."""
-        import fastbatch
-
-        return fastbatch.stats()[self.name]
-
 
 @functools.cache
 def piece(name: str) -> Piece:
