@@ -427,7 +427,11 @@ def test_spec_decode_every_call_checked_without_divergence(generate):
     checked = generate(fastbatch=True, workload="spec", verify="1")
 
     (worker,) = checked["workers"]
-    assert_checked_without_divergence(worker, *shadowed())
+    # every piece that had work here (the scheduler's fast paths leave steps
+    # with drafts to vLLM, so allocate_slots answers nothing itself)
+    worked = _worked(worker["stats"])
+    assert set(SPEC_PIECES) <= worked
+    assert_checked_without_divergence(worker, *sorted(worked))
     assert checked["reproducers"] == []
     assert checked["token_ids"] == stock["token_ids"]
 
