@@ -15,8 +15,6 @@ place and one ``RuntimeWarning`` says so.
 
 import warnings
 
-from fastbatch import registry
-
 __version__ = "0.1.0"
 
 try:
@@ -34,6 +32,5 @@ except ImportError as exc:  # no compiled module for this platform/interpreter
 else:
     COMPILED = True
 
-stats, reset_stats = _implementation.stats, _implementation.reset_stats
-globals().update(registry.exports(_implementation.PIECES))
+globals().update({name: getattr(_implementation, name) for name in _implementation.__all__})
 __all__ = ["COMPILED", "__version__", *_implementation.__all__]

@@ -374,21 +374,6 @@ def test_plugin_applies_and_reverts(monkeypatch):
         vllm_plugin.revert()
 
 
-def test_plugin_disable_by_the_deprecated_name_scheduler(monkeypatch, logs):
-    """fastbatch 0.1's ``FASTBATCH_DISABLE=scheduler`` still leaves this piece
-    stock, and says that the name is deprecated."""
-    monkeypatch.setenv("FASTBATCH", "1")
-    monkeypatch.setenv("FASTBATCH_DISABLE", "scheduler")
-    try:
-        vllm_plugin.register()
-        assert KVCacheManager.allocate_slots is STOCK
-        assert not registry.piece("allocate_slots").is_applied()
-        assert registry.piece("update_from_output").is_applied()  # the other pieces are on
-    finally:
-        vllm_plugin.revert()
-    assert any("FASTBATCH_DISABLE=scheduler is deprecated" in line
-               and "'allocate_slots'" in line for line in logs.at(logging.WARNING))
-
 
 # FASTBATCH_VERIFY: the shadow check ------------------------------------------
 # The patch is applied on the class with verify on; its checked method is then

@@ -204,25 +204,6 @@ def test_plugin_applies_and_reverts(monkeypatch):
         vllm_plugin.revert()
 
 
-@pytest.mark.vllm
-def test_plugin_disable_by_the_deprecated_name_drafts(monkeypatch, logs):
-    """fastbatch 0.1's ``FASTBATCH_DISABLE=drafts`` still leaves this piece
-    stock, and says that the name is deprecated."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    stock = GPUModelRunner._get_draft_token_ids_cpu
-    monkeypatch.setenv("FASTBATCH", "1")
-    monkeypatch.setenv("FASTBATCH_DISABLE", "drafts")
-    try:
-        vllm_plugin.register()
-        assert GPUModelRunner._get_draft_token_ids_cpu is stock
-        assert not registry.piece("draft_token_ids").is_applied()
-        assert registry.piece("get_output").is_applied()  # the others are on
-    finally:
-        vllm_plugin.revert()
-    assert any("FASTBATCH_DISABLE=drafts is deprecated" in line
-               and "'draft_token_ids'" in line for line in logs.at(logging.WARNING))
-
 
 # --- FASTBATCH_VERIFY: the shadow check ------------------------------------
 

@@ -322,21 +322,6 @@ def test_plugin_applies_and_reverts(monkeypatch):
         vllm_plugin.revert()
 
 
-def test_plugin_disable_by_the_deprecated_name_scheduler_outputs(monkeypatch, logs):
-    """fastbatch 0.1's ``FASTBATCH_DISABLE=scheduler_outputs`` still leaves
-    this piece stock, and says that the name is deprecated."""
-    monkeypatch.setenv("FASTBATCH", "1")
-    monkeypatch.setenv("FASTBATCH_DISABLE", "scheduler_outputs")
-    try:
-        vllm_plugin.register()
-        assert Scheduler.update_from_output is STOCK
-        assert not registry.piece("update_from_output").is_applied()
-        assert registry.piece("allocate_slots").is_applied()  # the other pieces are on
-    finally:
-        vllm_plugin.revert()
-    assert any("FASTBATCH_DISABLE=scheduler_outputs is deprecated" in line
-               and "'update_from_output'" in line for line in logs.at(logging.WARNING))
-
 
 # FASTBATCH_VERIFY: the shadow check, with the piece installed as the plugin
 # installs it (class attribute, every call checked); the lockstep's stock side

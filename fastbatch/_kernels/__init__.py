@@ -7,5 +7,6 @@ from fastbatch._counters import combined
 
 PIECES = registry.kernel_modules()
 stats, reset_stats = combined(PIECES)
-globals().update(registry.exports(PIECES))
-__all__ = ["reset_stats", "stats", *registry.exports(PIECES)]
+_EXPORTS = registry.exports(PIECES)
+globals().update(_EXPORTS)
+__all__ = ["reset_stats", "stats", *_EXPORTS]
