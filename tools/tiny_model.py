@@ -1,19 +1,31 @@
 """Make a tiny random Llama and its tokenizer that ``vllm.LLM(model=path)`` loads.
 
 No download: the weights are random (fixed seed) and the byte-level BPE
-tokenizer is trained here on a few lines.  Hidden 128, 4 heads (head size 32:
-vLLM's CPU attention rejects smaller heads), 2 layers, vocab 512, float32,
-safetensors; about 1.7 MB and a few seconds.  Positions up to 4096 (RoPE:
-no weights depend on it), so the benchmark can run long outputs.
+tokenizer is trained here.  Hidden 128, 4 heads (head size 32: vLLM's CPU
+attention rejects smaller heads), 2 layers, float32, safetensors; a few
+seconds.  Positions up to 4096 (RoPE: no weights depend on it), so the
+benchmark can run long outputs.
 
-    python tools/tiny_model.py DIR
+The default vocabulary (512) is trained on a few lines, so most sampled
+tokens are lone bytes (their text alone ends in U+FFFD).  ``--vocab N`` trains
+an N-token BPE on real English text instead, the docstrings and comments of
+the standard library, so that few are: the realistic tokenizer for anything
+that decodes text.
+
+    python tools/tiny_model.py DIR [--vocab 4096]
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
+import ast
+import sysconfig
+from pathlib import Path
 
 VOCAB_SIZE = 512
+# Files of the standard library read for --vocab (sorted: the same text on
+# every run of one Python).
+REAL_TEXT_FILES = 400
 
 TRAINING_TEXT = [
     "The quick brown fox jumps over the lazy dog.",
@@ -29,7 +41,28 @@ TRAINING_TEXT = [
 ] * 20
 
 
-def _make_tokenizer(path: str):
+def real_text(num_files: int = REAL_TEXT_FILES) -> list[str]:
+    """Docstrings and comments of the standard library's modules, one line each."""
+    lines = []
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for source in sorted(stdlib.glob("*.py"))[:num_files]:
+        text = source.read_text(encoding="utf-8", errors="replace")
+        lines += [line.strip()[1:].strip() for line in text.splitlines()
+                  if line.strip().startswith("#")]
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                 ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc:
+                    lines += [line.strip() for line in doc.splitlines()]
+    return [line for line in lines if line]
+
+
+def _make_tokenizer(path: str, vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -37,26 +70,27 @@ def _make_tokenizer(path: str):
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(TRAINING_TEXT, trainer=trainer)
+    text = TRAINING_TEXT if vocab_size == VOCAB_SIZE else real_text()
+    tokenizer.train_from_iterator(text, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>",
                                    eos_token="</s>", unk_token="<unk>", pad_token="<pad>")
     fast.save_pretrained(path)
     return fast
 
 
-def make_tiny_llama(path: str, seed: int = 0) -> str:
+def make_tiny_llama(path: str, seed: int = 0, vocab_size: int = VOCAB_SIZE) -> str:
     """Write config, safetensors weights and tokenizer to ``path``; deterministic."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = _make_tokenizer(path)
+    tokenizer = _make_tokenizer(path, vocab_size)
     config = LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256,
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
         max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -73,4 +107,10 @@ def make_tiny_llama(path: str, seed: int = 0) -> str:
 
 
 if __name__ == "__main__":
-    print(make_tiny_llama(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path")
+    parser.add_argument("--vocab", type=int, default=VOCAB_SIZE,
+                        help=f"tokenizer vocabulary (default {VOCAB_SIZE}: the byte-level "
+                             "one of a few lines; larger: trained on real English text)")
+    args = parser.parse_args()
+    print(make_tiny_llama(args.path, vocab_size=args.vocab))
