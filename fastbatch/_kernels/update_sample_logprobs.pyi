@@ -1,0 +1,13 @@
+from typing import Any
+
+__all__ = ["update_sample_logprobs"]
+
+def update_sample_logprobs(
+    processor: Any,
+    logprobs_lists: tuple[Any, Any, Any, Any],
+    texts: dict[int, str],
+    convert: Any,
+    kinds: tuple[type, type],
+) -> int: ...
+def stats() -> dict[str, int]: ...
+def reset_stats() -> None: ...

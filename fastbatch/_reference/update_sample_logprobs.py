@@ -1,0 +1,168 @@
+"""Pure-Python twin of the compiled piece ``update_sample_logprobs``: the test oracle.
+
+Same signature, rules, errors and counters as
+``fastbatch._kernels.update_sample_logprobs``; written for reading, not for speed.
+"""
+
+from __future__ import annotations
+
+__all__ = ["update_sample_logprobs"]
+
+import sys
+from typing import Any
+
+from fastbatch._reference._common import Counters
+
+_counters = Counters(("calls", "positions", "decoded", "corrected"))
+stats, reset_stats = _counters.stats, _counters.reset_stats
+_stats = _counters.values
+
+MAX_CONTEXT = 4
+FLAT_LISTS = ("start_indices", "end_indices", "token_ids", "logprobs", "ranks",
+              "decoded_tokens")
+
+
+def _array(source: Any, ndim: int, kind: str, name: str) -> tuple[list, int, int]:
+    """``source`` read as the kernel's view reads it: (rows as lists, rows, columns)."""
+    try:
+        view = memoryview(source)
+    except TypeError as exc:
+        raise TypeError(f"{name} must be a {ndim}-D numpy array, got "
+                        f"{type(source).__name__} ({exc})") from None
+    form = view.format.lstrip("@=" + ("<" if sys.byteorder == "little" else ""))
+    forms = ("i", "l", "q") if kind == "i" else ("f", "d")
+    if not (view.ndim == ndim and view.itemsize in (4, 8) and form in forms):
+        kinds = "int32 or int64" if kind == "i" else "float32 or float64"
+        raise TypeError(f"{name} must be a {ndim}-D {kinds} array, got a {view.ndim}-D "
+                        f"array of format {view.format!r}")
+    rows = view.tolist()  # float32 items widen to doubles exactly
+    if ndim == 1:
+        return [[item] for item in rows], len(rows), 1
+    return rows, view.shape[0], view.shape[1]
+
+
+def _text(texts: dict, convert: Any, tokenizer: Any, token: int) -> str:
+    text = texts.get(token)
+    if text is not None:
+        return text
+    converted = convert(tokenizer, [token])
+    if type(converted) is not list or len(converted) != 1:
+        raise TypeError(f"the tokenizer's texts of [{token}] must be a list of one str, "
+                        f"got {converted!r}")
+    text = converted[0]
+    if type(text) is not str:
+        raise TypeError(f"the tokenizer's text of {token} must be a str, got "
+                        f"{type(text).__name__}")
+    texts[token] = text
+    _stats["decoded"] += 1
+    return text
+
+
+def _context(processor: Any, container: Any, token_ids: list, position: int) -> list[int]:
+    """vLLM's ``_get_sampled_context_ids(self.logprobs)`` for ``position``:
+    the container's last positions, then this call's earlier ones."""
+    earlier = min(position, MAX_CONTEXT)
+    context: list[int] = []
+    if earlier < MAX_CONTEXT:
+        context = processor._get_sampled_context_ids(container, MAX_CONTEXT - earlier)
+        if type(context) is not list:
+            raise TypeError(f"_get_sampled_context_ids must return a list, got "
+                            f"{type(context).__name__}")
+        context = list(context)
+    return context + [row[0] for row in token_ids[position - earlier:position]]
+
+
+def update_sample_logprobs(processor: Any, logprobs_lists: Any, texts: dict[int, str],
+                           convert: Any, kinds: tuple[type, type]) -> int:
+    """vLLM's ``LogprobsProcessor._update_sample_logprobs`` (0.32.0 to 0.33.0):
+    for each position, every entry's text (the table's, or ``convert``'s; one
+    ending in U+FFFD corrected by the processor's ``_correct_decoded_token``
+    with the sampled context), the sampled logprob added to the cumulative
+    one, and the entries zipped with the ranks ``(rank, 1..num_logprobs)``
+    appended as a dict of ``Logprob`` or to the ``FlatLogprobs``.  Everything
+    is checked and every text found before anything is written.
+    """
+    if not isinstance(texts, dict):
+        raise TypeError(f"texts must be a dict, got {type(texts).__name__}")
+    if not isinstance(kinds, tuple):
+        raise TypeError(f"kinds must be a tuple, got {type(kinds).__name__}")
+    if len(kinds) != 2:
+        raise ValueError(f"kinds must be (Logprob, FlatLogprobs), got {len(kinds)} items")
+    logprob_type, flat_type = kinds
+    attrs = getattr(processor, "__dict__", None)
+    if type(attrs) is not dict:
+        raise TypeError(f"processor must have an instance dict, got "
+                        f"{type(processor).__name__}")
+    num_logprobs = attrs.get("num_logprobs")
+    container = attrs.get("logprobs")
+    cumulative = attrs.get("cumulative_logprob")
+    tokenizer = attrs.get("tokenizer")
+    if type(num_logprobs) is not int:
+        raise TypeError(f"num_logprobs must be an int, got {type(num_logprobs).__name__}")
+    if type(cumulative) is not float:
+        raise TypeError(f"cumulative_logprob must be a float, got "
+                        f"{type(cumulative).__name__}")
+    flat = type(container) is flat_type
+    lists: list[list] = []
+    if flat:
+        flat_attrs = getattr(container, "__dict__", None)
+        if type(flat_attrs) is not dict:
+            raise TypeError("the FlatLogprobs must have an instance dict")
+        lists = [flat_attrs.get(name) for name in FLAT_LISTS]
+        for name, item in zip(FLAT_LISTS, lists, strict=True):
+            if type(item) is not list:
+                raise TypeError(f"FlatLogprobs.{name} must be a list, got "
+                                f"{type(item).__name__}")
+    elif type(container) is not list:
+        raise TypeError(f"logprobs must be a list or FlatLogprobs, got "
+                        f"{type(container).__name__}")
+    if not isinstance(logprobs_lists, tuple) or len(logprobs_lists) != 4:
+        raise TypeError("logprobs_lists must be a 4-tuple (token ids, logprobs, ranks, _)")
+    if not -2**63 <= num_logprobs < 2**63:
+        raise ValueError(f"num_logprobs = {num_logprobs} is out of range")
+    token_ids, id_rows, id_cols = _array(logprobs_lists[0], 2, "i",
+                                         "logprobs_lists[0] (token ids)")
+    logprobs, logprob_rows, logprob_cols = _array(logprobs_lists[1], 2, "f",
+                                                  "logprobs_lists[1] (logprobs)")
+    ranks, rank_rows, _ = _array(logprobs_lists[2], 1, "i", "logprobs_lists[2] (sampled ranks)")
+    num_positions = min(id_rows, logprob_rows, rank_rows)
+    num_ranks = 1 + max(0, logprob_cols if num_logprobs == -1 else num_logprobs)
+    kept = min(id_cols, logprob_cols, num_ranks)
+    if num_positions > 0 and (id_cols == 0 or logprob_cols == 0):
+        raise ValueError("logprobs_lists has no column: no sampled token")
+
+    # Pass 1: every text (nothing of the processor is written).
+    decoded: list[list[str | None]] = [[None] * kept for _ in range(num_positions)]
+    if tokenizer is not None:
+        for p in range(num_positions):
+            context = None
+            for c in range(kept):
+                token = token_ids[p][c]
+                text = _text(texts, convert, tokenizer, token)
+                if text.endswith("\ufffd"):
+                    if context is None:
+                        context = _context(processor, container, token_ids, p)
+                    text = processor._correct_decoded_token(token, context)
+                    _stats["corrected"] += 1
+                decoded[p][c] = text
+    # Pass 2: append each position and add its sampled logprob.
+    total = cumulative
+    for p in range(num_positions):
+        total += logprobs[p][0]
+        entries = [(token_ids[p][c], logprobs[p][c], ranks[p][0] if c == 0 else c,
+                    decoded[p][c]) for c in range(kept)]
+        if flat:
+            lists[0].append(len(lists[3]))
+            for token, value, rank, text in entries:
+                lists[2].append(token)
+                lists[3].append(value)
+                lists[4].append(rank)
+                lists[5].append(text)
+            lists[1].append(len(lists[3]))
+        else:
+            container.append({token: logprob_type(value, rank, text)
+                              for token, value, rank, text in entries})
+    attrs["cumulative_logprob"] = total
+    _stats["calls"] += 1
+    _stats["positions"] += num_positions
+    return num_positions

@@ -1,0 +1,608 @@
+"""update_sample_logprobs: ``LogprobsProcessor._update_sample_logprobs``.
+
+* compiled kernel == pure-Python twin == vLLM 0.33's method transcribed
+  (``VllmProcessor``: no vLLM needed) on stand-in processors; bad input
+  raises before any change; leaks;
+* against the REAL vLLM 0.33.0 method (``vllm``-marked): real
+  ``LogprobsProcessor``s with real tokenizers made at test time (a byte-level
+  BPE whose lone bytes decode to U+FFFD, and a SentencePiece-style one with
+  byte fallback, whose leading-space marker takes vLLM's other path), list
+  and flat containers, ``num_logprobs`` 0, 1, 5, -1, batches wider than the
+  request, several positions; the whole outcome must be the same, floats bit
+  for bit;
+* the plugin side: the guard accepts this vLLM, the activation check refuses
+  a wrong kernel, input the kernel does not take runs vLLM's method,
+  ``FASTBATCH_DISABLE=update_sample_logprobs`` leaves it stock;
+* ``FASTBATCH_VERIFY``: no divergence on real steps, and a bug the
+  activation check cannot see is caught, undone, and replayed.
+"""
+
+import copy
+import dataclasses
+import functools
+import itertools
+import logging
+
+import numpy as np
+import pytest
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+import fastbatch
+from fastbatch import _reference, registry, vllm_plugin
+from fastbatch.patches import update_sample_logprobs as patch
+from leaks import assert_no_leak
+
+NAME = "update_sample_logprobs"
+PIECE = registry.piece(NAME)
+REPLACEMENT = "\ufffd"
+REAL_KERNEL = fastbatch.update_sample_logprobs
+
+
+# --- stand-ins: vLLM's classes and method transcribed (no vLLM needed) ---------
+
+@dataclasses.dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
+class Flat:
+    start_indices: list = dataclasses.field(default_factory=list)
+    end_indices: list = dataclasses.field(default_factory=list)
+    token_ids: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    ranks: list = dataclasses.field(default_factory=list)
+    decoded_tokens: list = dataclasses.field(default_factory=list)
+
+    def __len__(self):
+        return len(self.start_indices)
+
+
+KINDS = (Logprob, Flat)
+# A tokenizer stand-in: id -> text (ids 0x80-0xff end in U+FFFD, as lone bytes do).
+TEXTS = {i: (chr(i) if i < 0x80 else REPLACEMENT) for i in range(256)}
+TEXTS.update({256: " the", 257: "\u00e9t\u00e9", 258: "\u20ac" + REPLACEMENT, 259: ""})
+
+
+def convert(tokenizer, ids):
+    return [tokenizer[i] for i in ids]
+
+
+class VllmProcessor:
+    """vLLM 0.33's ``LogprobsProcessor`` sample path, transcribed; its
+    correction is a stand-in that shows the id and the context it was given."""
+
+    def __init__(self, tokenizer, flat, num_logprobs, cumulative=0.0):
+        self.tokenizer = tokenizer
+        self.logprobs = Flat() if flat else []
+        self.num_logprobs = num_logprobs
+        self.cumulative_logprob = cumulative
+
+    @staticmethod
+    def _get_sampled_context_ids(logprobs_source, max_context=4):
+        if not logprobs_source:
+            return []
+        n = len(logprobs_source)
+        start = max(0, n - max_context)
+        if isinstance(logprobs_source, Flat):
+            return [logprobs_source.token_ids[logprobs_source.start_indices[i]]
+                    for i in range(start, n)
+                    if logprobs_source.start_indices[i] < logprobs_source.end_indices[i]]
+        return [next(iter(logprobs_source[i])) for i in range(start, n)
+                if logprobs_source[i] is not None]
+
+    def _correct_decoded_token(self, token_id, context_token_ids):
+        return f"<{token_id}|{','.join(map(str, context_token_ids[-4:]))}>"
+
+    def vllm_update(self, logprobs_lists):
+        token_ids_lst, logprobs_lst, ranks_lst, _ = logprobs_lists
+        for rank_np, logprobs_np, token_ids_np in zip(ranks_lst, logprobs_lst, token_ids_lst,
+                                                          strict=False):
+            rank, logprobs, token_ids = (rank_np.tolist(), logprobs_np.tolist(),
+                                         token_ids_np.tolist())
+            if self.tokenizer is None:
+                decoded = itertools.repeat(None)
+            else:
+                decoded = convert(self.tokenizer, token_ids)
+                context = self._get_sampled_context_ids(self.logprobs)
+                fixed = {idx: self._correct_decoded_token(token_ids[idx], context)
+                         for idx, text in enumerate(decoded) if text.endswith(REPLACEMENT)}
+                for idx, text in fixed.items():
+                    decoded[idx] = text
+            self.cumulative_logprob += logprobs[0]
+            num_logprobs = len(logprobs) if self.num_logprobs == -1 else self.num_logprobs
+            ranks = itertools.chain((rank,), range(1, num_logprobs + 1))
+            if isinstance(self.logprobs, Flat):
+                self.logprobs.start_indices.append(len(self.logprobs.logprobs))
+                for token_id, logprob, rank_, token in zip(token_ids, logprobs, ranks, decoded,
+                                                           strict=False):
+                    self.logprobs.token_ids.append(token_id)
+                    self.logprobs.logprobs.append(logprob)
+                    self.logprobs.ranks.append(rank_)
+                    self.logprobs.decoded_tokens.append(token)
+                self.logprobs.end_indices.append(len(self.logprobs.logprobs))
+            else:
+                self.logprobs.append({token_id: Logprob(logprob, rank_, token)
+                                      for token_id, logprob, rank_, token
+                                      in zip(token_ids, logprobs, ranks, decoded,
+                                             strict=False)})
+
+
+def outcome(processor):
+    return patch.logprobs_outcome(processor, (0, 0))
+
+
+@st.composite
+def steps(draw, max_id=260):
+    """(flat, num_logprobs, tokenizer?, [logprobs_lists...]): positions 0-3 per
+    call, 1-5 columns, ids with U+FFFD texts and repeats, int32/int64 ids,
+    float32/float64 values with -inf, strided views."""
+    flat = draw(st.booleans())
+    num_logprobs = draw(st.sampled_from([-1, 0, 1, 2, 4]))
+    with_tokenizer = draw(st.booleans())
+    width = draw(st.integers(1, 5))
+    calls = []
+    for _ in range(draw(st.integers(1, 4))):
+        positions = draw(st.integers(0, 3))
+        ids = np.array(draw(st.lists(st.lists(st.integers(0, max_id - 1), min_size=width,
+                                              max_size=width),
+                                     min_size=positions, max_size=positions)) or
+                       np.zeros((0, width)), dtype=draw(st.sampled_from([np.int32, np.int64])))
+        values = np.array(draw(st.lists(st.lists(st.sampled_from(
+            [-0.0, -0.5, -1.25, -3.0e-8, -np.inf, -20.75]), min_size=width, max_size=width),
+            min_size=positions, max_size=positions)) or np.zeros((0, width)),
+            dtype=draw(st.sampled_from([np.float32, np.float64])))
+        ranks = np.array(draw(st.lists(st.integers(1, 5000), min_size=positions,
+                                       max_size=positions)), dtype=np.int64)
+        if draw(st.booleans()) and positions:  # views with strides, as vLLM's slices are
+            ids = np.repeat(ids, 2, axis=0)[::2]
+            values = np.repeat(values, 2, axis=0)[::2]
+        calls.append((ids, values, ranks, None))
+    return flat, num_logprobs, with_tokenizer, calls
+
+
+@given(case=steps())
+def test_matches_vllm_method(implementation, case):
+    note(repr(case))
+    flat, num_logprobs, with_tokenizer, calls = case
+    tokenizer = TEXTS if with_tokenizer else None
+    stock = VllmProcessor(tokenizer, flat, num_logprobs)
+    ours = VllmProcessor(tokenizer, flat, num_logprobs)
+    texts = {}
+    for logprobs_lists in calls:
+        stock.vllm_update(logprobs_lists)
+        assert implementation.update_sample_logprobs(
+            ours, logprobs_lists, texts, convert, KINDS) == len(logprobs_lists[0])
+        assert outcome(ours) == outcome(stock)
+
+
+@given(case=steps())
+def test_compiled_and_reference_agree_on_results_and_stats(case):
+    flat, num_logprobs, with_tokenizer, calls = case
+    tokenizer = TEXTS if with_tokenizer else None
+    results = []
+    for implementation in (fastbatch._kernels, _reference):
+        processor = VllmProcessor(tokenizer, flat, num_logprobs)
+        implementation.reset_stats()
+        texts = {}
+        for logprobs_lists in calls:
+            implementation.update_sample_logprobs(processor, logprobs_lists, texts, convert,
+                                                  KINDS)
+        results.append((outcome(processor), texts, implementation.stats()[NAME]))
+    assert results[0] == results[1]
+
+
+def test_worked_example(implementation):
+    """Two calls, list container: the sampled token among the top ones (the
+    dict keeps its first place, the top entry's values), a lone byte
+    corrected with the sampled context, a narrower request than the batch."""
+    processor = VllmProcessor(TEXTS, False, 1)
+    texts = {}
+    first = (np.array([[65, 65, 66]], dtype=np.int32),
+             np.array([[-0.5, -0.5, -2.0]], dtype=np.float32), np.array([2]), None)
+    second = (np.array([[0xC3, 256, 0xC3], [66, 0xA9, 65]], dtype=np.int64),
+              np.array([[-1.0, -0.25, -1.0], [-0.125, -3.0, -0.125]], dtype=np.float32),
+              np.array([3, 1]), None)
+    implementation.reset_stats()
+    assert implementation.update_sample_logprobs(processor, first, texts, convert, KINDS) == 1
+    assert implementation.update_sample_logprobs(processor, second, texts, convert, KINDS) == 2
+    assert processor.logprobs == [
+        {65: Logprob(-0.5, 1, "A")},
+        {0xC3: Logprob(-1.0, 3, "<195|65>"), 256: Logprob(-0.25, 1, " the")},
+        {66: Logprob(-0.125, 1, "B"), 0xA9: Logprob(-3.0, 1, "<169|65,195>")},
+    ]
+    assert processor.cumulative_logprob == -0.5 - 1.0 - 0.125
+    assert texts == {65: "A", 0xC3: REPLACEMENT, 256: " the", 66: "B", 0xA9: REPLACEMENT}
+    assert implementation.stats()[NAME] == {"calls": 2, "positions": 3, "decoded": 5,
+                                            "corrected": 2}
+
+
+def test_flat_container_and_every_logprob(implementation):
+    processor = VllmProcessor(None, True, -1, cumulative=-1.5)
+    lists = (np.array([[7, 8, 9]], dtype=np.int32),
+             np.array([[-0.25, -1.0, -np.inf]], dtype=np.float32), np.array([4]), None)
+    implementation.update_sample_logprobs(processor, lists, {}, convert, KINDS)
+    assert processor.logprobs == Flat([0], [3], [7, 8, 9], [-0.25, -1.0, -np.inf], [4, 1, 2],
+                                      [None, None, None])
+    assert processor.cumulative_logprob == -1.75
+
+
+def _bad_cases():
+    ids = np.array([[1, 2]], dtype=np.int32)
+    values = np.array([[-0.5, -1.0]], dtype=np.float32)
+    ranks = np.array([1])
+
+    def lists(**changes):
+        items = {"ids": ids, "values": values, "ranks": ranks, **changes}
+        return (items["ids"], items["values"], items["ranks"], None)
+
+    def processor(**changes):
+        made = VllmProcessor(TEXTS, False, 1, cumulative=-2.0)
+        made.logprobs.append({5: Logprob(-2.0, 1, "x")})
+        vars(made).update(changes)
+        return made
+
+    return [
+        ("not a 4-tuple", processor(), lists()[:3], TypeError, "4-tuple"),
+        ("a list of arrays", processor(), list(lists()), TypeError, "4-tuple"),
+        ("1-D token ids", processor(), lists(ids=ids[0]), TypeError, "2-D int32 or int64"),
+        ("float token ids", processor(), lists(ids=values), TypeError, "token ids"),
+        ("int logprobs", processor(), lists(values=ids), TypeError, "float32 or float64"),
+        ("float16 logprobs", processor(), lists(values=values.astype(np.float16)), TypeError,
+         "float32 or float64"),
+        ("a list of ranks", processor(), lists(ranks=[1]), TypeError, "sampled ranks"),
+        ("no column", processor(), lists(ids=ids[:, :0]), ValueError, "no column"),
+        ("num_logprobs None", processor(num_logprobs=None), lists(), TypeError,
+         "num_logprobs must be an int"),
+        ("num_logprobs bool", processor(num_logprobs=True), lists(), TypeError,
+         "num_logprobs must be an int"),
+        ("int cumulative", processor(cumulative_logprob=0), lists(), TypeError,
+         "cumulative_logprob must be a float"),
+        ("a tuple container", processor(logprobs=()), lists(), TypeError,
+         "list or FlatLogprobs"),
+        ("a text that is not a str", processor(tokenizer={1: b"x", 2: "y"}), lists(),
+         TypeError, "must be a str"),
+    ]
+
+
+@pytest.mark.parametrize(("name", "processor", "lists", "exception", "message"), _bad_cases(),
+                         ids=[case[0] for case in _bad_cases()])
+def test_bad_input_raises_before_any_change(implementation, name, processor, lists, exception,
+                                            message):
+    processor = copy.deepcopy(processor)
+    before = repr(vars(processor))
+    with pytest.raises(exception, match=message):
+        implementation.update_sample_logprobs(processor, lists, {}, convert, KINDS)
+    assert repr(vars(processor)) == before
+
+
+def test_a_correction_that_raises_writes_nothing(implementation):
+    class Failing(VllmProcessor):
+        def _correct_decoded_token(self, token_id, context):
+            raise RuntimeError("tokenizer broke")
+
+    processor = Failing(TEXTS, True, 1)
+    lists = (np.array([[65, 66], [0xC3, 66]], dtype=np.int32),
+             np.zeros((2, 2), dtype=np.float32), np.array([1, 1]), None)
+    with pytest.raises(RuntimeError, match="tokenizer broke"):
+        implementation.update_sample_logprobs(processor, lists, {}, convert, KINDS)
+    assert processor.logprobs == Flat() and processor.cumulative_logprob == 0.0
+
+
+def test_no_leak_on_success_or_error():
+    kernel = fastbatch._kernels
+    texts = {}
+    ids = np.array([[0xC3, 44, 257], [66, 65, 0xA9]], dtype=np.int64)
+    values = np.array([[-0.5, -1.0, -2.0], [-0.25, -3.0, -4.0]], dtype=np.float32)
+    good = (ids, values, np.array([3, 1]), None)
+    bad = (ids, values.astype(np.float16), np.array([3, 1]), None)
+
+    def step():
+        for flat in (False, True):
+            processor = VllmProcessor(TEXTS, flat, 2)
+            kernel.update_sample_logprobs(processor, good, texts, convert, KINDS)
+            with pytest.raises(TypeError):
+                kernel.update_sample_logprobs(processor, bad, texts, convert, KINDS)
+
+    for _ in range(100):
+        step()
+    assert_no_leak(step, [texts, ids, values, good, bad, TEXTS], 1000)
+
+
+# --- against the real vLLM 0.33.0 method ---------------------------------------
+
+@functools.cache
+def vllm_method():
+    """vLLM's own ``_update_sample_logprobs`` (the first one seen, checked)."""
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    method = PIECE.main.original() or LogprobsProcessor._update_sample_logprobs
+    assert not getattr(method, "__fastbatch__", False)
+    return method
+
+
+@pytest.fixture
+def stock_vllm():
+    """The test starts and ends with vLLM's own method in place."""
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    PIECE.revert()
+    assert LogprobsProcessor._update_sample_logprobs is vllm_method()
+    yield
+    PIECE.revert()
+
+
+TRAINING = ["Caf\u00e9 cr\u00e8me, na\u00efve \u00fcber r\u00e9sum\u00e9 \u2014 10 \u20ac.",
+            "The scheduler decides which requests run in each step.",
+            "\u65e5\u672c\u8a9e\u306e\u6587\u7ae0\u3068 emoji \U0001f600 \U0001f680."] * 10
+
+
+@functools.cache
+def tokenizers():
+    """vLLM-wrapped tokenizers made here: a byte-level BPE of 300 tokens
+    (lone bytes of a longer character decode to U+FFFD) and a
+    SentencePiece-style BPE with byte fallback and a Metaspace marker."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from vllm.tokenizers.hf import get_cached_tokenizer, maybe_make_thread_pool
+
+    byte_level = Tokenizer(models.BPE())
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level.decoder = decoders.ByteLevel()
+    byte_level.train_from_iterator(TRAINING, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+
+    pieces = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    pieces.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                              normalizers.Replace(" ", "\u2581")])
+    pieces.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
+                                                    prepend_scheme="never")
+    pieces.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                        decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    pieces.train_from_iterator(TRAINING, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>"] + [f"<0x{b:02X}>" for b in range(256)],
+        show_progress=False))
+    made = {}
+    for name, tokenizer in (("byte-level", byte_level), ("metaspace", pieces)):
+        wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>")
+        made[name] = maybe_make_thread_pool(get_cached_tokenizer(wrapped), 1)
+    return made
+
+
+def real_processor(tokenizer, flat, num_logprobs):
+    from vllm.logprobs import create_sample_logprobs
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    return LogprobsProcessor(tokenizer=tokenizer, logprobs=create_sample_logprobs(flat),
+                             prompt_logprobs=None, cumulative_logprob=0.0,
+                             num_logprobs=num_logprobs, num_prompt_logprobs=None)
+
+
+def as_logprobs_lists(lists):
+    from vllm.v1.outputs import LogprobsLists
+
+    return LogprobsLists(*lists)
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+@pytest.mark.parametrize("tokenizer_name", ["byte-level", "metaspace", "none"])
+@given(case=steps(max_id=300))
+def test_matches_the_real_method(implementation, tokenizer_name, case):
+    note(repr(case))
+    flat, num_logprobs, _, calls = case
+    tokenizer = None if tokenizer_name == "none" else tokenizers()[tokenizer_name]
+    stock = real_processor(tokenizer, flat, num_logprobs)
+    ours = real_processor(tokenizer, flat, num_logprobs)
+    implementation.reset_stats()
+    fastbatch.update_sample_logprobs = implementation.update_sample_logprobs
+    try:
+        for lists in calls:
+            lists = as_logprobs_lists(lists)
+            vllm_method()(stock, lists)
+            patch._update_sample_logprobs(ours, lists)
+            assert outcome(ours) == outcome(stock)
+    finally:
+        fastbatch.update_sample_logprobs = REAL_KERNEL
+    # every call was the implementation's (none handed to vLLM's method)
+    assert implementation.stats()[NAME]["calls"] == len(calls)
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+def test_the_real_tokenizers_make_both_paths():
+    """The test tokenizers reach what they are for: U+FFFD texts corrected
+    with context, and the leading-space marker path."""
+    from vllm.tokenizers.detokenizer_utils import get_leading_space_marker
+
+    made = tokenizers()
+    assert get_leading_space_marker(made["metaspace"]) == "\u2581"
+    assert get_leading_space_marker(made["byte-level"]) is None
+    for tokenizer in made.values():
+        ids = tokenizer.encode("\u0436\u0449 \U0001f41d \u2713", add_special_tokens=False)  # unseen
+        texts = [tokenizer.decode([i]) for i in ids]
+        assert any(text.endswith(REPLACEMENT) for text in texts), texts
+        processor = real_processor(tokenizer, False, 0)
+        ours = real_processor(tokenizer, False, 0)
+        fastbatch.reset_stats()
+        for token in ids:
+            lists = as_logprobs_lists((np.array([[token]], dtype=np.int32),
+                                       np.array([[-1.0]], dtype=np.float32), np.array([1]),
+                                       None))
+            vllm_method()(processor, lists)
+            patch._update_sample_logprobs(ours, lists)
+        assert outcome(ours) == outcome(processor)
+        assert fastbatch.stats()[NAME]["corrected"] > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+def test_input_the_kernel_does_not_take_runs_vllm_method():
+    """float16 logprobs (the kernel reads float32/64 only) and an unhashable
+    tokenizer: vLLM's method runs, with its result."""
+    tokenizer = tokenizers()["byte-level"]
+    lists = as_logprobs_lists((np.array([[70, 71]], dtype=np.int32),
+                               np.array([[-0.5, -1.0]], dtype=np.float16), np.array([1]), None))
+    stock, ours = real_processor(tokenizer, False, 1), real_processor(tokenizer, False, 1)
+    fastbatch.reset_stats()
+    vllm_method()(stock, lists)
+    patch._update_sample_logprobs(ours, lists)
+    assert outcome(ours) == outcome(stock)
+    assert fastbatch.stats()[NAME]["calls"] == 0
+
+    class Unhashable(dict):
+        def decode(self, ids, **_):
+            return "".join(chr(65 + i % 26) for i in ids)
+
+    assert patch.texts_of(Unhashable()) is None
+    stock, ours = real_processor(Unhashable(), True, 1), real_processor(Unhashable(), True, 1)
+    lists = as_logprobs_lists((np.array([[3, 4]], dtype=np.int32),
+                               np.array([[-0.5, -1.0]], dtype=np.float32), np.array([1]), None))
+    vllm_method()(stock, lists)
+    patch._update_sample_logprobs(ours, lists)
+    assert outcome(ours) == outcome(stock)
+    assert fastbatch.stats()[NAME]["calls"] == 0
+
+
+@pytest.mark.vllm
+def test_a_table_per_tokenizer_that_goes_with_it():
+    import gc
+
+    first, second = patch.ByteTokenizer(), patch.ByteTokenizer()
+    table = patch.texts_of(first)
+    assert patch.texts_of(first) is table and patch.texts_of(second) is not table
+    assert patch.texts_of(None) == {}
+    count = len(patch._TABLES)
+    del first
+    gc.collect()
+    assert len(patch._TABLES) == count - 1
+
+
+# --- the plugin: the guard, the activation check, FASTBATCH_DISABLE -------------
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+def test_guard_accepts_the_installed_vllm():
+    import vllm
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    assert PIECE.main.check_target(vllm.__version__, vllm_method()) is None
+    assert PIECE.apply() is True
+    assert LogprobsProcessor._update_sample_logprobs is patch._update_sample_logprobs
+    assert PIECE.main.original() is vllm_method()
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+@pytest.mark.parametrize("broken", ["wrong rank", "raises"])
+def test_activation_check_refuses_a_wrong_kernel(monkeypatch, logs, broken):
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    real = fastbatch.update_sample_logprobs
+
+    def wrong(processor, lists, texts, convert, kinds):
+        if broken == "raises":
+            raise RuntimeError("boom")
+        lists = (lists[0], lists[1], lists[2] + 1, None)  # every sampled rank one off
+        return real(processor, lists, texts, convert, kinds)
+
+    monkeypatch.setattr(fastbatch, "update_sample_logprobs", wrong)
+    assert PIECE.apply() is False
+    assert LogprobsProcessor._update_sample_logprobs is vllm_method()
+    (error,) = logs.at(logging.ERROR)
+    assert "activation check failed" in error and PIECE.main.target in error
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+def test_disable_leaves_it_stock(monkeypatch):
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    monkeypatch.setenv("FASTBATCH", "1")
+    monkeypatch.setenv("FASTBATCH_DISABLE", NAME)
+    vllm_plugin.register()
+    try:
+        assert LogprobsProcessor._update_sample_logprobs is vllm_method()
+        assert vllm_plugin.status()["patches"][NAME] is False
+    finally:
+        vllm_plugin.revert()
+
+
+# --- FASTBATCH_VERIFY: the shadow check -----------------------------------------
+
+def kernel_wrong_for_wide_requests(processor, lists, texts, convert, kinds):
+    """The real kernel, then the last entry's text changed, for requests with
+    more than three logprobs (the activation check's have at most two)."""
+    found = REAL_KERNEL(processor, lists, texts, convert, kinds)
+    if processor.num_logprobs > 3 and type(processor.logprobs) is list:
+        last = processor.logprobs[-1]
+        token = list(last)[-1]
+        last[token].decoded_token += "!"
+    return found
+
+
+def real_steps(num_logprobs, count=3):
+    rng = np.random.default_rng(num_logprobs + 7)
+    for _ in range(count):
+        ids = rng.integers(0, 300, (1, num_logprobs + 1)).astype(np.int32)
+        values = -rng.random((1, num_logprobs + 1)).astype(np.float32)
+        yield as_logprobs_lists((ids, values, rng.integers(1, 50, 1), None))
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("verified_piece")
+@pytest.mark.parametrize(("flat", "num_logprobs"), [(False, 1), (True, 5), (False, 0)])
+def test_verify_finds_no_divergence_on_real_steps(checked_method, flat, num_logprobs):
+    method = checked_method()
+    tokenizer = tokenizers()["byte-level"]
+    stock = real_processor(tokenizer, flat, num_logprobs)
+    ours = real_processor(tokenizer, flat, num_logprobs)
+    checked = PIECE.main.checked
+    for lists in real_steps(num_logprobs):
+        vllm_method()(stock, lists)
+        assert method(ours, lists) is None
+    assert outcome(ours) == outcome(stock)
+    assert PIECE.main.divergences == 0 and PIECE.main.checked == checked + 3
+
+
+@pytest.mark.vllm
+def test_verify_catches_a_bug_the_activation_check_cannot_see(verify_dir, monkeypatch, logs,
+                                                              checked_method):
+    method = checked_method()  # the activation check passed with the real kernel
+    monkeypatch.setattr(fastbatch, "update_sample_logprobs", kernel_wrong_for_wide_requests)
+    tokenizer = tokenizers()["byte-level"]
+    narrow = real_processor(tokenizer, False, 1)
+    for lists in real_steps(1, 2):
+        method(narrow, lists)
+    assert PIECE.main.divergences == 0
+    stock, ours = real_processor(tokenizer, False, 5), real_processor(tokenizer, False, 5)
+    (lists,) = real_steps(5, 1)
+    vllm_method()(stock, lists)
+
+    assert method(ours, lists) is None
+
+    assert outcome(ours) == outcome(stock)  # vLLM's position, in the processor's own list
+    assert (PIECE.main.checked, PIECE.main.divergences) == (3, 1)
+    assert vllm_plugin.status()["verify"]["divergences"][NAME] == 1
+    (error,) = logs.at(logging.ERROR)
+    assert f"'{NAME}'" in error and "fastbatch appended" in error
+
+    # The reproducer replays the divergence, and no longer with the real kernel.
+    (path,) = verify_dir.iterdir()
+    assert path.name.startswith(f"{NAME}-") and str(path) in error
+    assert "fastbatch appended" in vllm_plugin.replay(str(path))
+    monkeypatch.setattr(fastbatch, "update_sample_logprobs", REAL_KERNEL)
+    assert vllm_plugin.replay(str(path)) is None
+
+    # From now on the piece runs vLLM's code: the kernel is not called again.
+    monkeypatch.setattr(fastbatch, "update_sample_logprobs", kernel_wrong_for_wide_requests)
+    fastbatch.reset_stats()
+    (lists,) = real_steps(5, 1)
+    vllm_method()(stock, lists)
+    method(ours, lists)
+    assert outcome(ours) == outcome(stock)
+    assert fastbatch.stats()[NAME]["calls"] == 0
