@@ -6,7 +6,8 @@ the patch calls at run time; ``allocate_slots``, whose compiled function is
 itself the installed method, through its patch's ``replacement``) so that it
 goes wrong only where the piece's activation check never looks: batches of
 more than ``BIG_BATCH`` requests (``SMALL_SPEC_BATCH`` for the spec pieces),
-token ids of at least ``BIG_ID``, requests past ``LATE_TOKENS`` tokens.  The
+token ids of at least ``BIG_ID``, requests past ``LATE_TOKENS`` tokens (or
+logprobs positions).  The
 activation checks pass; only the shadow checks can see the bugs.  Planted
 after the engine is built (the plugin has applied the pieces), before the
 traffic.
@@ -120,6 +121,13 @@ def _first_taken_token_off(result, scheduler, *rest):
         request._all_token_ids[-1] = request._output_token_ids[-1]
 
 
+def _late_cumulative_logprob_off(result, processor, *rest):
+    """A request's cumulative logprob one off once it has more than
+    ``LATE_TOKENS`` positions (the activation check's have at most nine)."""
+    if len(processor.logprobs) > LATE_TOKENS:
+        processor.cumulative_logprob += 1.0
+
+
 def _allocate_slots_refuses_late_decodes() -> None:
     from fastbatch.patches.allocate_slots import PATCH
 
@@ -149,6 +157,8 @@ BUGS: dict[str, Callable[[], None]] = {
     "parse_output": lambda: _wrap("rejection_output_lists", _last_accepted_id_dropped),
     "draft_token_ids": lambda: _wrap("draft_token_lists", _first_draft_id_flipped),
     "update_from_output": lambda: _wrap("take_decode_outputs", _first_taken_token_off),
+    "update_sample_logprobs": lambda: _wrap("update_sample_logprobs",
+                                            _late_cumulative_logprob_off),
 }
 
 
