@@ -102,7 +102,7 @@ def main() -> int:
     print(f"  {RUNNER_MEANING.get(runner, 'fastbatch cannot tell whether its pieces act')}")
     print("  (a feature Model Runner V2 lacks also selects V1: see the README)")
 
-    if runner == "v2":  # only what Model Runner V2 uses too: the scheduler's pieces
+    if runner == "v2":  # only what Model Runner V2 uses too: the scheduler's and output processor's
         acting = [piece for piece in acting if piece.main.acts_under_v2]
     if acting:
         print("verdict: with FASTBATCH=1 these pieces would act: "

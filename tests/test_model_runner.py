@@ -17,9 +17,9 @@ import pytest
 from fastbatch import model_runner, registry, vllm_plugin
 from fastbatch.patches import _runner_report
 
-# The pieces that replace the scheduler's code, which Model Runner V2 runs too,
-# and those with work only under async scheduling.
-SCHEDULER_PIECES = [piece.name for piece in registry.pieces() if piece.main.acts_under_v2]
+# The pieces that replace the scheduler's or the output processor's code, which
+# Model Runner V2 runs too, and those with work only under async scheduling.
+V2_PIECES = [piece.name for piece in registry.pieces() if piece.main.acts_under_v2]
 ASYNC_ONLY = [piece.name for piece in registry.pieces() if piece.main.needs_async_scheduling]
 
 
@@ -160,8 +160,8 @@ def stock(monkeypatch):
     (True, "v2", "fastbatch: Model Runner V2 in use (SimpleNamespace): fastbatch's runner "
                  "pieces serve the V1 runner and stay idle here; "
                  "VLLM_USE_V2_MODEL_RUNNER=0 selects V1; "
-                 f"{', '.join(SCHEDULER_PIECES)} still act (vLLM's scheduler is the same "
-                 "under both runners)"),
+                 f"{', '.join(V2_PIECES)} still act (vLLM's scheduler and output "
+                 "processor are the same under both runners)"),
     (False, "unknown", "fastbatch: this worker's model runner (SimpleNamespace) is neither "
                        "vLLM's V1 runner nor Model Runner V2"),
 ])

@@ -17,9 +17,10 @@ from fastbatch import registry
 from subprocesses import OUTSIDE_THE_CHECKOUT
 
 
-def scheduler_pieces() -> list[str]:
-    """The pieces that replace the scheduler's code, which Model Runner V2 runs
-    too (importing every patch module needs torch: only the vLLM tests call it)."""
+def v2_pieces() -> list[str]:
+    """The pieces that replace the scheduler's or the output processor's code,
+    which Model Runner V2 runs too (importing every patch module needs torch:
+    only the vLLM tests call it)."""
     return [piece.name for piece in registry.pieces() if piece.main.acts_under_v2]
 
 
@@ -103,7 +104,7 @@ def test_on_model_runner_v2_only_the_scheduler_piece_would_act():
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "runner pieces would stay idle" in result.stdout
     assert result.stdout.splitlines()[-1] == (
-        "verdict: with FASTBATCH=1 these pieces would act: " + ", ".join(scheduler_pieces()))
+        "verdict: with FASTBATCH=1 these pieces would act: " + ", ".join(v2_pieces()))
 
 
 @pytest.mark.vllm
@@ -111,7 +112,7 @@ def test_on_model_runner_v2_nothing_would_act():
     result = _self_check("-m", "fastbatch", VLLM_TARGET_DEVICE="cpu",
                          VLLM_USE_V2_MODEL_RUNNER="1",
                          FASTBATCH_DISABLE=",".join(["async_spec_token_ids",
-                                                     *scheduler_pieces()]),
+                                                     *v2_pieces()]),
                          FASTBATCH_VERIFY="often")
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     out = result.stdout

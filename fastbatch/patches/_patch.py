@@ -76,7 +76,8 @@ class Patch:
     whose own, unverified replacement this one relies on (it is applied only
     after that one).  ``versions``: the accepted releases, by default the
     generated ones of the target.  ``acts_under_v2``: the target is the
-    scheduler's (``vllm.v1.core``), code that Model Runner V2 runs too.
+    scheduler's (``vllm.v1.core``) or the engine's (``vllm.v1.engine``: the
+    output processor), code that Model Runner V2 runs too.
     ``name`` is the piece's (set by ``fastbatch.registry``).
     """
 
@@ -100,7 +101,7 @@ class Patch:
         self.shadow = shadow
         self.needs_async_scheduling = needs_async_scheduling
         self.requires = requires
-        self.acts_under_v2 = self.module.startswith("vllm.v1.core.")
+        self.acts_under_v2 = self.module.startswith(("vllm.v1.core.", "vllm.v1.engine."))
         # the patches of the same piece (set by fastbatch.registry): after a
         # FASTBATCH_VERIFY divergence in any of them, all run vLLM's code
         self.siblings: tuple[Patch, ...] = (self,)

@@ -1,12 +1,12 @@
 """Patch: ``vllm.v1.engine.logprobs.LogprobsProcessor._update_sample_logprobs``.
 
-What is replaced: the output processor's method that, for one request with
-``logprobs`` asked for, appends the step's sample logprobs (one position, or
-several with spec decoding) to the request's logprobs: for every entry (the
-sampled token, then the top ``num_logprobs``) its token id, logprob, rank
-and decoded text, as a ``{token id: Logprob}`` dict or into the
-``FlatLogprobs``, and the sampled logprob added to ``cumulative_logprob``.
-One compiled call (``fastbatch.update_sample_logprobs``) does it all.
+What is replaced: the output processor's method that appends a request's
+sample logprobs of one step (token ids, logprobs, ranks and decoded texts)
+to its logprobs.  For every entry of each position (the sampled token, then
+the top ``num_logprobs``; several positions with spec decoding) it builds a
+``{token id: Logprob}`` dict or appends to the ``FlatLogprobs``, and adds the
+sampled logprob to ``cumulative_logprob``.  One compiled call
+(``fastbatch.update_sample_logprobs``) does it all.
 
 The texts come from a per-tokenizer table that holds only what the
 tokenizer's own calls returned: the first time an id is met, vLLM's
@@ -117,9 +117,15 @@ def texts_of(tokenizer: Any) -> dict[int, str] | None:
     return table
 
 
+_KINDS: tuple[type, type] | None = None  # (Logprob, FlatLogprobs), bound on first use
+
+
 def _kinds() -> tuple[type, type]:
-    logprobs = sys.modules["vllm.logprobs"]
-    return logprobs.Logprob, logprobs.FlatLogprobs
+    global _KINDS
+    if _KINDS is None:
+        logprobs = sys.modules["vllm.logprobs"]
+        _KINDS = (logprobs.Logprob, logprobs.FlatLogprobs)
+    return _KINDS
 
 
 def _stock_method() -> Any:
@@ -132,12 +138,15 @@ def _stock_method() -> Any:
 
 def _update_sample_logprobs(self: Any, logprobs_lists: Any) -> None:
     """fastbatch's drop-in for ``LogprobsProcessor._update_sample_logprobs``."""
-    texts = texts_of(self.tokenizer)
+    tokenizer = self.tokenizer
+    ref, texts = _last
+    if ref() is not tokenizer:
+        texts = texts_of(tokenizer)
     if texts is not None:
         try:
             fastbatch.update_sample_logprobs(
                 self, logprobs_lists, texts, sys.modules[MODULE].convert_ids_list_to_tokens,
-                _kinds())
+                _KINDS or _kinds())
             return
         except (TypeError, ValueError):  # checked before anything was written
             pass
