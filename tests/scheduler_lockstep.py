@@ -8,10 +8,16 @@ same ``ModelRunnerOutput`` for both (one sampled token per request whose
 scheduled chunk reaches the end of its known tokens, EOS or a stop token
 now and then, never a stop token before ``min_tokens``, as vLLM's sampler
 guarantees).  New requests arrive and requests are aborted at random steps.
+In the workloads with sample logprobs (``LOGPROB_WORKLOADS``) some requests
+ask for them and the runner answers, when any request of the step does, with
+a ``LogprobsLists`` (one row per request, or one per sampled token found
+through ``cu_num_generated_tokens``) or with none; each side gets its own
+copy of the arrays.
 
 After every step the harness compares, as plain data:
 
-- the ``SchedulerOutput`` (every field) and the ``EngineCoreOutputs``;
+- the ``SchedulerOutput`` (every field) and the ``EngineCoreOutputs`` (numpy
+  arrays by dtype, shape, strides and bytes; named tuples with their type);
 - the KV cache: every request's block table, ``num_cached_block``, partial
   hits, the free-block queue in order, every block's ref count and hash, and
   the hash -> block map of the block pool;
@@ -71,6 +77,12 @@ class Workload:
     # requests sent as new, PP decode stagger): set on the scheduler after it is
     # built, since the CPU platform (no Triton) picks V1.
     model_runner_v2: bool = False
+    # Sample logprobs: the chance that a request asks for them (then 0, 1, 5
+    # or -1), and how the runner answers a step with such requests, one of
+    # these drawn each step: "rows" (a row per request), "cu" (a row per
+    # sampled token, found through cu_num_generated_tokens), "none" (None).
+    logprobs_probability: float = 0.0
+    runner_logprobs: tuple[str, ...] = ("rows",)
 
 
 WORKLOADS = (
@@ -101,6 +113,24 @@ WORKLOADS = (
     Workload("preemption-async-mrv2", async_scheduling=True, num_blocks=28, max_num_seqs=12,
              arrival_probability=0.7, max_prompt=40, max_output=160, model_runner_v2=True),
 )
+
+# Workloads with sample logprobs (not in WORKLOADS: the other pieces' tests
+# keep theirs).
+LOGPROB_WORKLOADS = (
+    Workload("logprobs", max_num_seqs=24, logprobs_probability=0.5,
+             runner_logprobs=("rows", "cu", "none")),
+    Workload("logprobs-async", async_scheduling=True, max_num_seqs=24,
+             logprobs_probability=0.5, abort_probability=0.05,
+             runner_logprobs=("rows", "cu", "none")),
+    Workload("logprobs-chunked-prefill-async", async_scheduling=True,
+             max_num_batched_tokens=64, long_prefill_token_threshold=24, max_prompt=200,
+             arrival_probability=0.8, logprobs_probability=0.7, runner_logprobs=("cu",)),
+    Workload("logprobs-preemption-async", async_scheduling=True, num_blocks=28,
+             max_num_seqs=12, arrival_probability=0.7, max_prompt=40, max_output=160,
+             eos_probability=0.05, logprobs_probability=0.6,
+             runner_logprobs=("rows", "cu")),
+)
+LOGPROB_CHOICES = (0, 1, 5, -1)
 
 
 def _model_dir() -> str:
@@ -195,6 +225,7 @@ class RequestSpec:
     min_tokens: int
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
+    logprobs: int | None = None
 
 
 @functools.cache
@@ -215,7 +246,7 @@ def make_request(spec: RequestSpec, block_size: int) -> Any:
 
     params = SamplingParams(max_tokens=spec.max_tokens, min_tokens=spec.min_tokens,
                             stop_token_ids=list(spec.stop_token_ids),
-                            ignore_eos=spec.ignore_eos)
+                            ignore_eos=spec.ignore_eos, logprobs=spec.logprobs)
     params.update_from_generation_config({}, EOS_TOKEN_ID)
     return Request(request_id=spec.request_id, prompt_token_ids=list(spec.prompt),
                    sampling_params=params, pooling_params=None, arrival_time=0.0,
@@ -234,6 +265,9 @@ def snapshot(value: Any, _depth: int = 0) -> Any:
         return f"{type(value).__name__}.{value.name}"
     if type(value).__name__ == "KVCacheBlock":
         return ("block", value.block_id)
+    if isinstance(value, tuple) and hasattr(type(value), "_fields"):  # a named tuple
+        return {"__type__": type(value).__name__,
+                "items": [snapshot(item, depth) for item in value]}
     if isinstance(value, (list, tuple)):
         return [snapshot(item, depth) for item in value]
     if isinstance(value, (set, frozenset)):
@@ -241,7 +275,11 @@ def snapshot(value: Any, _depth: int = 0) -> Any:
     if isinstance(value, (dict, MappingProxyType)):  # in order: the order is part of it
         return {_MAPPING: [(snapshot(key, depth), snapshot(item, depth))
                            for key, item in value.items()]}
-    if hasattr(value, "tolist"):  # numpy / torch
+    if type(value).__module__ == "numpy" and hasattr(value, "tobytes"):
+        # exactly: dtype, shape, strides, bytes
+        return {"__numpy__": [value.dtype.str, list(value.shape), list(value.strides)],
+                "bytes": value.tobytes()}
+    if hasattr(value, "tolist"):  # torch
         return value.tolist()
     if callable(value) and not hasattr(value, "__dict__"):
         return getattr(value, "__qualname__", repr(value))
@@ -357,8 +395,9 @@ class Lockstep:
         self.next_id = 0
         self.prefixes = [tuple(self.rng.randrange(3, VOCAB_SIZE) for _ in range(48))
                          for _ in range(3)]
-        # (scheduler output per side, sampled ids per request) not yet answered.
-        self.in_flight: list[tuple[Any, Any, dict[str, list[int]]]] = []
+        # (scheduler output per side, sampled ids per request, sample logprobs)
+        # not yet answered.
+        self.in_flight: list[tuple[Any, Any, dict[str, list[int]], Any]] = []
         self.steps = 0
         self.preemptions = 0
 
@@ -376,10 +415,15 @@ class Lockstep:
         stop = tuple(rng.sample(range(3, VOCAB_SIZE), rng.randint(1, 2))) \
             if rng.random() < 0.3 else ()
         max_tokens = rng.randint(1, workload.max_output)
+        min_tokens = rng.randint(0, min(8, max_tokens)) if rng.random() < 0.3 else 0
+        ignore_eos = rng.random() < 0.2
+        logprobs = None
+        if workload.logprobs_probability and rng.random() < workload.logprobs_probability:
+            logprobs = rng.choice(LOGPROB_CHOICES)
         return RequestSpec(
             request_id=f"r{self.next_id}", prompt=prompt, max_tokens=max_tokens,
-            min_tokens=rng.randint(0, min(8, max_tokens)) if rng.random() < 0.3 else 0,
-            stop_token_ids=stop, ignore_eos=rng.random() < 0.2)
+            min_tokens=min_tokens, stop_token_ids=stop, ignore_eos=ignore_eos,
+            logprobs=logprobs)
 
     def _traffic(self) -> None:
         rng, workload = self.rng, self.workload
@@ -420,14 +464,53 @@ class Lockstep:
             sampled[req_id] = [token]
         return sampled
 
+    def _sample_logprobs(self, scheduler_output: Any,
+                         sampled: dict[str, list[int]]) -> Any:
+        """The fake runner's sample logprobs for the step, as
+        ``(arrays, cu_num_generated_tokens)``, or None: none asked for, or the
+        runner gives none."""
+        import numpy
+
+        workload = self.workload
+        if not workload.logprobs_probability:
+            return None
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        wanted = [self.stock.requests[rid].sampling_params.logprobs for rid in req_ids]
+        wanted = [VOCAB_SIZE if k == -1 else k for k in wanted if k is not None]
+        if not wanted:
+            return None
+        mode = self.rng.choice(workload.runner_logprobs)
+        if mode == "none":
+            return None
+        cu = None
+        if mode == "cu":  # one row per sampled token: prefill chunks have none
+            cu = [0]
+            for rid in req_ids:
+                cu.append(cu[-1] + len(sampled[rid]))
+            rows = cu[-1]
+        else:
+            rows = len(req_ids)
+        width = max(wanted) + 1
+        random = numpy.random.RandomState(self.rng.getrandbits(32))
+        ids = random.randint(0, VOCAB_SIZE, size=(rows, 2 * width)).astype(numpy.int32)
+        values = -random.exponential(size=(rows, width)).astype(numpy.float32)
+        ranks = random.randint(1, VOCAB_SIZE, size=rows).astype(numpy.int64)
+        return (ids, values, ranks), cu
+
     @staticmethod
-    def _runner_output(scheduler_output: Any, sampled: dict[str, list[int]]) -> Any:
-        from vllm.v1.outputs import ModelRunnerOutput
+    def _runner_output(scheduler_output: Any, sampled: dict[str, list[int]],
+                       logprobs: Any = None) -> Any:
+        from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 
         req_ids = list(scheduler_output.num_scheduled_tokens)
+        lists = None
+        if logprobs is not None:  # this side's own copy (token ids strided, as a view)
+            (ids, values, ranks), cu = logprobs
+            lists = LogprobsLists(ids.copy()[:, ::2], values.copy(), ranks.copy(),
+                                  None if cu is None else list(cu))
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=[list(sampled[rid]) for rid in req_ids])
+            sampled_token_ids=[list(sampled[rid]) for rid in req_ids], logprobs=lists)
 
     def _compare(self, what: str, stock: Any, fast: Any) -> None:
         found = first_difference(stock, fast, what)
@@ -439,11 +522,11 @@ class Lockstep:
         self._compare("requests", request_state(self.stock), request_state(self.fast))
 
     def _answer_oldest(self, tamper: Callable[[int, Any], None] | None) -> None:
-        stock_output, fast_output, sampled = self.in_flight.pop(0)
+        stock_output, fast_output, sampled, logprobs = self.in_flight.pop(0)
         stock_result = self.stock.update_from_output(
-            stock_output, self._runner_output(stock_output, sampled))
+            stock_output, self._runner_output(stock_output, sampled, logprobs))
         fast_result = self.fast.update_from_output(
-            fast_output, self._runner_output(fast_output, sampled))
+            fast_output, self._runner_output(fast_output, sampled, logprobs))
         if tamper is not None:
             tamper(self.steps, fast_result)
         self._compare("engine_core_outputs", snapshot(stock_result), snapshot(fast_result))
@@ -461,7 +544,8 @@ class Lockstep:
         self.preemptions += len(stock_output.preempted_req_ids or ())
         self._compare_states()
         sampled = self._sample(stock_output)
-        self.in_flight.append((stock_output, fast_output, sampled))
+        self.in_flight.append((stock_output, fast_output, sampled,
+                               self._sample_logprobs(stock_output, sampled)))
         depth = 2 if self.workload.async_scheduling else 1
         while len(self.in_flight) >= depth:
             self._answer_oldest(tamper)

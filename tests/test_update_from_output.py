@@ -16,6 +16,14 @@ Each lockstep run, with the compiled piece or its pure-Python twin, asserts
 from that implementation's own counters that it took requests, and that
 the other implementation's counters did not move.
 
+Requests with sample logprobs (``logprobs`` 0, 1, 5 and -1, mixed with plain
+ones; the runner's ``LogprobsLists`` by row, through
+``cu_num_generated_tokens``, or None): the lockstep's ``LOGPROB_WORKLOADS``
+(kernel and twin, with the shadow check too), one step against vLLM's method
+on a stand-in scheduler with the slices checked as views of the same
+buffers, and planted wrong logprobs (a wrong row, a wrong dtype) that the
+activation check and ``FASTBATCH_VERIFY`` must catch.
+
 Also: compiled vs twin on generated real requests (hypothesis); the guard,
 the activation check (refuses a wrong kernel), bad input (nothing changed),
 leaks; the plugin, by the piece's name and by its deprecated 0.1 name
@@ -28,14 +36,14 @@ import logging
 import os
 from types import MethodType, SimpleNamespace
 
-import msgspec
+import numpy
 import pytest
 import scheduler_lockstep as lockstep
 from hypothesis import given
 from hypothesis import strategies as st
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
 import fastbatch
@@ -127,11 +135,83 @@ def test_lockstep_with_the_pure_python_twin(monkeypatch, workload):
     assert idle(_kernels.stats())  # no compiled piece ran
 
 
+def counting_logprob_takes(monkeypatch, implementation):
+    """``implementation``'s call, recording for each request with sample
+    logprobs it took: (its logprobs, whether its output has new_logprobs,
+    whether the runner's were found through cu_num_generated_tokens)."""
+    taken = []
+
+    def take(scheduler, scheduler_output, model_runner_output, kinds, variant):
+        result = implementation.take_decode_outputs(scheduler, scheduler_output,
+                                                    model_runner_output, kinds, variant)
+        runner = model_runner_output.logprobs
+        for slot in result[0] if result is not None else ():
+            if type(slot) is str:
+                continue
+            value = scheduler.requests[slot.request_id].sampling_params.logprobs
+            if value is not None:
+                taken.append((value, slot.new_logprobs is not None,
+                              runner is not None and runner.cu_num_generated_tokens is not None))
+        return result
+
+    monkeypatch.setattr(fastbatch, "take_decode_outputs", take)
+    monkeypatch.setattr(fastbatch, "merge_decode_outputs", implementation.merge_decode_outputs)
+    return taken
+
+
+def assert_took_logprob_requests(workload, taken):
+    assert {value for value, _, _ in taken} == set(lockstep.LOGPROB_CHOICES)
+    assert any(sliced and not cu for _, sliced, cu in taken) == ("rows" in
+                                                                workload.runner_logprobs)
+    assert any(sliced and cu for _, sliced, cu in taken) == ("cu" in workload.runner_logprobs)
+    assert any(not sliced for _, sliced, _ in taken) == ("none" in workload.runner_logprobs)
+
+
+@pytest.mark.parametrize("workload", lockstep.LOGPROB_WORKLOADS, ids=lambda w: w.name)
+def test_lockstep_with_logprobs(monkeypatch, workload):
+    """Requests with sample logprobs (0, 1, 5, -1) among plain ones: the
+    compiled call takes them (by row, through cu_num_generated_tokens, or
+    with none in the runner's output) and leaves those that stop, exactly."""
+    taken = counting_logprob_takes(monkeypatch, _kernels)
+    _kernels.reset_stats()
+    _reference.reset_stats()
+    lockstep.Lockstep(workload, seed=17, make_fast=make_fast).run(150)
+    counters = fastbatch.stats()["update_from_output"]
+    assert counters["fast_outputs"] > 0 and counters["stock_outputs"] > 0
+    assert_took_logprob_requests(workload, taken)
+    assert idle(_reference.stats())  # the twin never ran
+
+
+@pytest.mark.parametrize("workload", lockstep.LOGPROB_WORKLOADS[1:3], ids=lambda w: w.name)
+def test_lockstep_with_logprobs_and_the_pure_python_twin(monkeypatch, workload):
+    taken = counting_logprob_takes(monkeypatch, _reference)
+    _kernels.reset_stats()
+    _reference.reset_stats()
+    lockstep.Lockstep(workload, seed=6, make_fast=make_fast).run(100)
+    assert _reference.update_from_output.stats()["fast_outputs"] > 0
+    assert_took_logprob_requests(workload, taken)
+    assert idle(_kernels.stats())  # no compiled piece ran
+
+
+def test_lockstep_with_logprobs_and_every_scheduler_piece(monkeypatch):
+    workload = lockstep.LOGPROB_WORKLOADS[1]
+    taken = counting_logprob_takes(monkeypatch, _kernels)
+    lockstep.Lockstep(workload, seed=9,
+                      make_fast=make_fast_with_every_scheduler_piece).run(100)
+    assert_took_logprob_requests(workload, taken)
+
+
 # Compiled vs twin on generated states of real requests over a real small KV
 # cache manager (the stand-in scheduler of the activation check).
 
-def _state(cls, caching, specs, stop_every):
+def _state(cls, caching, specs, stop_every, logprobs=None, runner_logprobs="none"):
+    """A stand-in scheduler over real requests (``specs``), its scheduler
+    output and runner output; ``logprobs``: each request's sample logprobs
+    (else the stand-in requests' own: None, 1, 0, -1); ``runner_logprobs``:
+    the runner's (see ``_runner_logprobs``)."""
     requests = patch._stand_in_requests()[:len(specs)]
+    for request, value in zip(requests, logprobs or (), strict=False):
+        request.sampling_params.logprobs = value
     scheduler = patch._stand_in_scheduler(cls, caching, requests)
     manager = scheduler.kv_cache_manager
     scheduled, sampled = {}, []
@@ -154,18 +234,62 @@ def _state(cls, caching, specs, stop_every):
     req_ids = list(scheduled)
     runner_output = ModelRunnerOutput(
         req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-        sampled_token_ids=sampled)
+        sampled_token_ids=sampled, logprobs=_runner_logprobs(runner_logprobs, len(req_ids)))
     scheduler_output = SimpleNamespace(num_scheduled_tokens=scheduled,
-                                       scheduled_spec_decode_tokens={})
+                                       scheduled_spec_decode_tokens={},
+                                       total_num_scheduled_tokens=sum(scheduled.values()),
+                                       num_invalid_spec_tokens=None)
     return scheduler, scheduler_output, runner_output
+
+
+RUNNER_LOGPROBS = ("none", "rows", "cu", "cu-short", "cu-not-int", "tuple", "lists",
+                   "0-d")
+
+
+def _runner_logprobs(mode, num_rows):
+    """The runner's sample logprobs: None ("none"); a LogprobsLists of numpy
+    arrays (strided token ids) with a row per request ("rows") or found
+    through cu_num_generated_tokens, rows shifted by two ("cu"); and what the
+    fast path leaves to vLLM: a cu list too short for the last request, or
+    with a float for the second; a plain tuple; lists for arrays; 0-d arrays."""
+    if mode == "none":
+        return None
+    rows = num_rows + 2
+    ids = numpy.arange(rows * 14, dtype=numpy.int32).reshape(rows, 14)[:, ::2] + 3
+    values = numpy.linspace(-9, 0, rows * 7, dtype=numpy.float32).reshape(rows, 7)
+    ranks = numpy.arange(rows, dtype=numpy.int64) + 1
+    cu = {"cu": list(range(2, rows)), "cu-short": list(range(2, rows - 1)),
+          "cu-not-int": [2, 3.0, *range(4, rows)]}.get(mode)
+    if mode == "tuple":
+        return (ids, values, ranks, None)
+    if mode == "lists":
+        return LogprobsLists(ids.tolist(), values.tolist(), ranks.tolist(), None)
+    if mode == "0-d":
+        return LogprobsLists(numpy.array(1), values, ranks, None)
+    return LogprobsLists(ids, values, ranks, cu)
 
 
 def _plain(result, scheduler):
     if result is not None:
         slots, rest = result
-        result = ([slot if type(slot) is str else msgspec.structs.asdict(slot)
-                   for slot in slots], rest)
+        result = ([slot if type(slot) is str else patch._plain(slot) for slot in slots],
+                  rest)
     return result, patch._side_state(scheduler, {})
+
+
+def assert_same_slice(ours, theirs):
+    """``ours`` is what ``LogprobsLists.slice_request`` gave (``theirs``):
+    the same type, and views of the same buffers with the same dtype, shape,
+    strides and values, and None as its fourth item."""
+    assert type(ours) is type(theirs) is LogprobsLists
+    assert len(ours) == len(theirs) == 4 and ours[3] is None and theirs[3] is None
+    for mine, stock in zip(ours[:3], theirs[:3], strict=True):
+        assert type(mine) is type(stock) is numpy.ndarray
+        assert mine is not stock and mine.base is stock.base is not None
+        assert (mine.dtype, mine.shape, mine.strides) == (stock.dtype, stock.shape,
+                                                          stock.strides)
+        assert (mine.__array_interface__["data"] == stock.__array_interface__["data"])
+        assert mine.tobytes() == stock.tobytes()
 
 
 REQUEST_SPECS = st.tuples(
@@ -178,11 +302,14 @@ REQUEST_SPECS = st.tuples(
 
 
 @given(st.sampled_from([Scheduler, AsyncScheduler]), st.booleans(),
-       st.lists(REQUEST_SPECS, min_size=1, max_size=4), st.booleans(), st.sampled_from([0, 1, 2]))
-def test_compiled_matches_twin(cls, caching, specs, cache_some, variant):
+       st.lists(REQUEST_SPECS, min_size=1, max_size=4), st.booleans(), st.sampled_from([0, 1, 2]),
+       st.lists(st.sampled_from([None, 0, 1, 5, -1]), max_size=4),
+       st.sampled_from(RUNNER_LOGPROBS))
+def test_compiled_matches_twin(cls, caching, specs, cache_some, variant, logprobs,
+                               runner_logprobs):
     patch._bind()
-    compiled_side = _state(cls, caching, specs, cache_some)
-    twin_side = _state(cls, caching, specs, cache_some)
+    compiled_side = _state(cls, caching, specs, cache_some, logprobs, runner_logprobs)
+    twin_side = _state(cls, caching, specs, cache_some, logprobs, runner_logprobs)
     compiled = _kernels.take_decode_outputs(*compiled_side, patch._KINDS, variant)
     twin = _reference.take_decode_outputs(*twin_side, patch._KINDS, variant)
     assert _plain(compiled, compiled_side[0]) == _plain(twin, twin_side[0])
@@ -198,6 +325,159 @@ def test_a_plain_decode_is_taken_alike_by_both(cls):
     twin = _reference.take_decode_outputs(*twin_side, patch._KINDS, 0)
     assert compiled is not None and not compiled[1]  # both taken, none left
     assert _plain(compiled, compiled_side[0]) == _plain(twin, twin_side[0])
+
+
+# Sample logprobs: one step against vLLM's own method.
+
+# Four decodes that do not stop (r0 to r3; r1's stop token is 31).
+DECODES = [(3, 7, 1, 1, RequestStatus.RUNNING, 14), (2, 9, 1, 1, RequestStatus.RUNNING, 14),
+           (4, 8, 1, 1, RequestStatus.RUNNING, 14), (3, 7, 1, 1, RequestStatus.RUNNING, 14)]
+STOPS = [DECODES[0], (2, 31, 1, 1, RequestStatus.RUNNING, 14), DECODES[2],
+         (3, 7, 1, 1, RequestStatus.RUNNING, 4)]  # r1 by its stop token, r3 by max_tokens
+
+
+def _one_step(monkeypatch, implementation, cls, specs, logprobs, runner_logprobs):
+    """vLLM's method and fastbatch's (with ``implementation``'s call) on the
+    same step: both sides, their results (or what each raised)."""
+    patch._bind()
+    monkeypatch.setattr(fastbatch, "take_decode_outputs", implementation.take_decode_outputs)
+    monkeypatch.setattr(fastbatch, "merge_decode_outputs",
+                        implementation.merge_decode_outputs)
+    implementation.reset_stats()
+    sides, results = [], []
+    for method in (STOCK, patch.update_from_output):
+        side = _state(cls, True, specs, True, logprobs, runner_logprobs)
+        try:
+            results.append(method(*side))
+        except Exception as exc:
+            results.append(exc)
+        sides.append(side)
+    return sides, results
+
+
+@pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
+@pytest.mark.parametrize("cls", [Scheduler, AsyncScheduler])
+@pytest.mark.parametrize("runner_logprobs", ["rows", "cu", "none"])
+@pytest.mark.parametrize("logprobs", [(1, 0, 5, -1), (None, 1, None, 5), (0, None, -1, None)],
+                         ids=lambda value: "-".join(map(str, value)))
+def test_logprob_requests_are_taken_as_vllm_slices_them(monkeypatch, implementation, cls,
+                                                         runner_logprobs, logprobs):
+    (stock, fast), (stock_result, fast_result) = _one_step(
+        monkeypatch, implementation, cls, DECODES, logprobs, runner_logprobs)
+    assert patch._side_state(fast[0], fast_result) == patch._side_state(stock[0], stock_result)
+    assert implementation.update_from_output.stats() == {"fast_outputs": 4,
+                                                         "stock_outputs": 0}
+    runner = fast[2]
+    outputs = {output.request_id: output for output in fast_result[0].outputs}
+    for rid, value in zip(("r0", "r1", "r2", "r3"), logprobs, strict=True):
+        new_logprobs = outputs[rid].new_logprobs
+        if value is None or runner.logprobs is None:
+            assert new_logprobs is None
+        else:  # views of the runner's very arrays, as slice_request makes them
+            assert_same_slice(new_logprobs, runner.logprobs.slice_request(
+                runner.req_id_to_index[rid], 1))
+
+
+@pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
+@pytest.mark.parametrize("runner_logprobs", ["rows", "cu", "none"])
+def test_logprob_requests_that_stop_go_to_vllm(monkeypatch, implementation, runner_logprobs):
+    (stock, fast), (stock_result, fast_result) = _one_step(
+        monkeypatch, implementation, AsyncScheduler, STOPS, (1, 5, None, -1), runner_logprobs)
+    assert patch._side_state(fast[0], fast_result) == patch._side_state(stock[0], stock_result)
+    assert implementation.update_from_output.stats() == {"fast_outputs": 2,
+                                                         "stock_outputs": 2}
+    stopped = [output for output in fast_result[0].outputs if output.finish_reason is not None]
+    assert [output.request_id for output in stopped] == ["r1", "r3"]
+    assert all((output.new_logprobs is None) == (runner_logprobs == "none")
+               for output in stopped)
+
+
+@pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
+@pytest.mark.parametrize("runner_logprobs", ["cu-short", "cu-not-int", "tuple", "lists", "0-d"])
+def test_logprobs_the_fast_path_cannot_slice_go_to_vllm(monkeypatch, implementation,
+                                                        runner_logprobs):
+    """vLLM's loop takes them: its result, or its error (the same one)."""
+    (stock, fast), (stock_result, fast_result) = _one_step(
+        monkeypatch, implementation, Scheduler, DECODES, (None, 1, 5, -1), runner_logprobs)
+    counters = implementation.update_from_output.stats()
+    if isinstance(stock_result, Exception):
+        assert type(fast_result) is type(stock_result)
+        assert str(fast_result) == str(stock_result)
+    else:
+        assert patch._side_state(fast[0], fast_result) == patch._side_state(stock[0],
+                                                                            stock_result)
+    left = 1 if runner_logprobs in ("cu-short", "cu-not-int") else 3
+    assert counters == {"fast_outputs": 4 - left, "stock_outputs": left}
+
+
+def _wrong_logprobs(how):
+    """The compiled call, with each sample-logprobs slice it made wrong."""
+    real = _kernels.take_decode_outputs
+
+    def wrong(scheduler, scheduler_output, model_runner_output, kinds, variant):
+        taken = real(scheduler, scheduler_output, model_runner_output, kinds, variant)
+        for slot in taken[0] if taken is not None else ():
+            if type(slot) is not str and slot.new_logprobs is not None:
+                ids, values, ranks, _ = slot.new_logprobs
+                if how == "dtype":  # a (1,) array: == alone would not tell
+                    ranks = ranks.astype(numpy.int32)
+                elif how == "row":
+                    row = model_runner_output.req_id_to_index[slot.request_id] + 1
+                    ids, values, ranks, _ = model_runner_output.logprobs.slice_request(row, 1)
+                else:  # a copy, not a view
+                    values = values.copy()
+                slot.new_logprobs = LogprobsLists(ids, values, ranks, None)
+        return taken
+
+    return wrong
+
+
+def test_logprobs_lists_is_bound_only_as_the_named_tuple_it_builds():
+    from typing import NamedTuple
+
+    patch._bind()
+    assert patch._KINDS[8] is LogprobsLists and patch._KINDS[9] is numpy.ndarray
+
+    class Five(NamedTuple):  # a field more: slice_request's code could stay the same
+        logprob_token_ids: object
+        logprobs: object
+        sampled_token_ranks: object
+        cu_num_generated_tokens: object = None
+        more: object = None
+
+    class Truthy(NamedTuple):
+        logprob_token_ids: object
+        logprobs: object
+        sampled_token_ranks: object
+        cu_num_generated_tokens: object = None
+
+        def __len__(self):
+            return 0
+
+    assert patch._is_plain_logprobs_lists(LogprobsLists)
+    assert not patch._is_plain_logprobs_lists(Five)
+    assert not patch._is_plain_logprobs_lists(Truthy)
+
+
+@pytest.mark.parametrize("how", ["dtype", "row"])
+def test_activation_check_refuses_wrong_logprobs(monkeypatch, how):
+    assert patch.activation_check(STOCK, patch.update_from_output) is None
+    monkeypatch.setattr(fastbatch, "take_decode_outputs", _wrong_logprobs(how))
+    problem = patch.activation_check(STOCK, patch.update_from_output)
+    assert problem is not None and "new_logprobs" in problem
+
+
+def test_the_check_sees_a_copy_for_a_view(monkeypatch):
+    """A copy has the same values, dtype and shape: only the views check tells."""
+    patch._bind()
+    monkeypatch.setattr(fastbatch, "take_decode_outputs", _wrong_logprobs("copy"))
+    fast = _state(Scheduler, True, DECODES, True, (1, 0, 5, -1), "rows")
+    result = patch.update_from_output(*fast)
+    output = result[0].outputs[0]
+    expected = fast[2].logprobs.slice_request(0, 1)
+    assert patch._plain(output.new_logprobs) == patch._plain(expected)
+    with pytest.raises(AssertionError):
+        assert_same_slice(output.new_logprobs, expected)
 
 
 @pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
@@ -216,12 +496,15 @@ def test_bad_input_changes_nothing(implementation):
     specs = [(3, 7, 1, 1, RequestStatus.RUNNING, 14)]
     scheduler, scheduler_output, runner_output = _state(AsyncScheduler, True, specs, False)
     before = _plain(None, scheduler)
-    with pytest.raises(ValueError, match="kinds must have 8 items"):
+    with pytest.raises(ValueError, match="kinds must have 10 items"):
         implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
-                                           patch._KINDS[:7], 0)
-    with pytest.raises(ValueError, match="7-item EngineCoreOutput template"):
+                                           patch._KINDS[:9], 0)
+    with pytest.raises(ValueError, match="8-item EngineCoreOutput template"):
         implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
-                                           (*patch._KINDS[:7], ()), 0)
+                                           (*patch._KINDS[:7], (), *patch._KINDS[8:]), 0)
+    with pytest.raises(ValueError, match=r"kinds\[8\] must be LogprobsLists"):
+        implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
+                                           (*patch._KINDS[:8], list, *patch._KINDS[9:]), 0)
     scheduler_output.num_scheduled_tokens = list(scheduler_output.num_scheduled_tokens)
     with pytest.raises(TypeError, match="num_scheduled_tokens must be a dict"):
         implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
@@ -252,10 +535,12 @@ def test_bad_input_changes_nothing(implementation):
     assert _plain(None, scheduler) == before
 
 
-def test_no_leaks():
+@pytest.mark.parametrize("runner_logprobs", ["none", "cu"])
+def test_no_leaks(runner_logprobs):
     patch._bind()
-    specs = [(3, 7, 1, 1, RequestStatus.RUNNING, 10**6)] * 3
-    scheduler, scheduler_output, runner_output = _state(AsyncScheduler, False, specs, False)
+    specs = [(3, 7, 1, 1, RequestStatus.RUNNING, 10**6)] * 3  # logprobs None, 1 and 0
+    scheduler, scheduler_output, runner_output = _state(AsyncScheduler, False, specs, False,
+                                                        runner_logprobs=runner_logprobs)
     requests = list(scheduler.requests.values())
 
     def step():
@@ -270,8 +555,10 @@ def test_no_leaks():
 
     for _ in range(100):
         step()
+    arrays = [] if runner_output.logprobs is None else [
+        array.base if array.base is not None else array for array in runner_output.logprobs[:3]]
     assert_no_leak(step, [scheduler, scheduler_output, runner_output, *requests,
-                          patch._KINDS], 2000)
+                          patch._KINDS, *arrays], 2000)
 
 
 def test_guard_accepts_this_vllm_and_refuses_a_changed_method():
@@ -413,6 +700,36 @@ def test_verify_catches_a_planted_bug_and_leaves_stock_state(verified, monkeypat
     monkeypatch.setattr(fastbatch, "take_decode_outputs", _kernels.take_decode_outputs)
     assert vllm_plugin.replay(path) is None
     assert vllm.__version__
+
+
+@pytest.mark.parametrize("workload", lockstep.LOGPROB_WORKLOADS[:2], ids=lambda w: w.name)
+def test_verify_no_false_divergence_with_logprobs(verified, monkeypatch, workload):
+    harness = verified_lockstep(workload, seed=13)
+    taken = counting_logprob_takes(monkeypatch, _kernels)
+    harness.run(80)
+    assert patch.PATCH.checked > 0
+    assert patch.PATCH.divergences == 0 and patch.PATCH.reproducers == []
+    assert_took_logprob_requests(workload, taken)
+    assert not list(verified.iterdir())
+
+
+@pytest.mark.parametrize("how", ["dtype", "row"])
+def test_verify_catches_wrong_logprobs_and_leaves_stock_state(verified, monkeypatch, how):
+    """A wrong slice (another row; a (1,) array of another dtype, which
+    ``==`` would pass): caught, undone, reproduced."""
+    harness = verified_lockstep(lockstep.LOGPROB_WORKLOADS[0], seed=21)
+    monkeypatch.setattr(fastbatch, "take_decode_outputs", _wrong_logprobs(how))
+    for _ in range(60):
+        harness.step()  # the lockstep compares with stock's after each step
+        if patch.PATCH.divergences:
+            break
+    assert patch.PATCH.divergences == 1
+    harness.run(20)  # vLLM's method from now on
+    [path] = patch.PATCH.reproducers
+    problem = vllm_plugin.replay(path)
+    assert problem is not None and "new_logprobs" in problem
+    monkeypatch.setattr(fastbatch, "take_decode_outputs", _kernels.take_decode_outputs)
+    assert vllm_plugin.replay(path) is None
 
 
 def test_verify_restores_the_order_of_a_wrong_merge(verified, monkeypatch):

@@ -7,8 +7,10 @@ The same decisions and effects as ``fastbatch._reference.update_from_output``
 classifies every scheduled request; a second pass applies, to the requests
 taken, exactly what vLLM's loop would (in-flight count, the token appended
 to both token lists, the placeholder resolved) and builds their
-``EngineCoreOutput``.  Nothing is changed unless the whole step has been
-read and found consistent.
+``EngineCoreOutput`` (with its sample logprobs: the row of the step's
+``LogprobsLists``, sliced as ``LogprobsLists.slice_request`` does).
+Nothing is changed unless the whole step has been read and found
+consistent.
 """
 
 __all__ = ["merge_decode_outputs", "take_decode_outputs"]
@@ -16,11 +18,33 @@ __all__ = ["merge_decode_outputs", "take_decode_outputs"]
 from cpython.list cimport PyList_Append, PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
+from cpython.slice cimport PySlice_New
 from libc.stdint cimport uint64_t
 
 cdef extern from "Python.h":
     bint PyDict_Next(object p, Py_ssize_t* pos, PyObject** key, PyObject** value)
     int PySequence_Contains(object o, object value) except -1
+    const Py_ssize_t PY_SSIZE_T_MAX
+
+cdef extern from *:
+    """
+    /* tuple.__new__(type, (a, b, c, d)): what a NamedTuple's __new__ does. */
+    static PyObject* __pyx_fb_named_tuple4(PyObject* type, PyObject* a, PyObject* b,
+                                           PyObject* c, PyObject* d) {
+        PyObject* items = PyTuple_Pack(4, a, b, c, d);
+        PyObject* args;
+        PyObject* result;
+        if (items == NULL) return NULL;
+        args = PyTuple_Pack(1, items);
+        Py_DECREF(items);
+        if (args == NULL) return NULL;
+        result = PyTuple_Type.tp_new((PyTypeObject*)type, args, NULL);
+        Py_DECREF(args);
+        return result;
+    }
+    """
+    object _named_tuple4 "__pyx_fb_named_tuple4"(object type, object a, object b, object c,
+                                                 object d)
 
 cdef uint64_t _taken = 0
 cdef uint64_t _left = 0
@@ -38,6 +62,12 @@ cdef enum:
     # vLLM 0.32 ``Scheduler`` (sync): no placeholder, no caching here.
     NO_PLACEHOLDERS = 2
 
+# The step's sample logprobs (``model_runner_output.logprobs``).
+cdef enum:
+    LOGPROBS_NONE = 0    # None: a request with logprobs gets ``new_logprobs=None``
+    LOGPROBS_SLICE = 1   # a LogprobsLists of numpy arrays: its request's row, sliced
+    LOGPROBS_LEAVE = 2   # anything else: requests with logprobs go to vLLM's loop
+
 
 def stats():
     """This piece's counters since import or the last ``reset_stats()``."""
@@ -54,6 +84,8 @@ cdef struct Taken:
     Py_ssize_t in_flight       # num_in_flight_tokens after the step
     Py_ssize_t placeholders    # num_output_placeholders after, or -1: unchanged
     PyObject* token            # borrowed from the sampled list (kept alive by it)
+    Py_ssize_t logprobs_start  # the first row of its sample logprobs (if it has some)
+    bint has_logprobs          # it gets a slice of the step's LogprobsLists
 
 
 cdef inline bint _int_value(object value, Py_ssize_t* out) except -1:
@@ -144,12 +176,13 @@ cdef _Hasher _hasher = _Hasher()
 
 cdef int _classify(dict attrs, object tokens, Py_ssize_t num_scheduled, tuple kinds,
                    int variant, Py_ssize_t max_model_len, Py_ssize_t num_spec_tokens,
-                   _Cache cache, Taken* taken) except -1:
+                   _Cache cache, Py_ssize_t row, int logprobs_mode, object cu_rows,
+                   Taken* taken) except -1:
     """1 if the request (``attrs``: its instance dict) is a plain decode that
     does not stop this step (and ``taken`` holds what the step does to it), 0
     if vLLM's loop must take it."""
     cdef Py_ssize_t stale, in_flight, placeholders, computed, num_tokens, num_output
-    cdef Py_ssize_t max_tokens, min_tokens, num_hashes, cache_upto
+    cdef Py_ssize_t max_tokens, min_tokens, num_hashes, cache_upto, start
     if attrs.get("status") is not kinds[1]:
         return 0
     if type(tokens) is not list or PyList_GET_SIZE(tokens) != 1:
@@ -169,9 +202,24 @@ cdef int _classify(dict attrs, object tokens, Py_ssize_t num_scheduled, tuple ki
             or attrs.get("prefill_stats") is not None):
         return 0
     params = attrs.get("sampling_params")
-    # ``num_logprobs`` is None (the property, pinned by the guard).
-    if params is None or params.logprobs is not None or params.logprob_token_ids:
+    # ``num_logprobs`` (the property, pinned by the guard) is ``logprobs``:
+    # no ``logprob_token_ids``.  With sample logprobs, vLLM's loop slices the
+    # step's LogprobsLists at its row (``slice_request(row, 1)``).
+    if params is None or params.logprob_token_ids:
         return 0
+    taken.has_logprobs = False
+    if params.logprobs is not None:
+        if logprobs_mode == LOGPROBS_LEAVE:
+            return 0
+        if logprobs_mode == LOGPROBS_SLICE:
+            if cu_rows is None:
+                start = row
+            elif not (row < PyList_GET_SIZE(cu_rows)
+                      and _int_value(<object>PyList_GET_ITEM(cu_rows, row), &start)
+                      and start < PY_SSIZE_T_MAX):
+                return 0  # vLLM's loop, and its error if any
+            taken.logprobs_start = start
+            taken.has_logprobs = True
     output_ids = attrs.get("_output_token_ids")
     all_ids = attrs.get("_all_token_ids")
     if type(output_ids) is not list or type(all_ids) is not list:
@@ -238,11 +286,14 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
     ids left to their scheduled token counts, for vLLM's own loop.
     """
     global _taken, _left
-    if len(kinds) != 8:
-        raise ValueError(f"kinds must have 8 items, got {len(kinds)}")
-    output_type, template = kinds[6], kinds[7]
-    if type(template) is not tuple or len(<tuple>template) != 7:
-        raise ValueError("kinds[7] must be the 7-item EngineCoreOutput template")
+    if len(kinds) != 10:
+        raise ValueError(f"kinds must have 10 items, got {len(kinds)}")
+    output_type, template, logprobs_type, array_type = kinds[6], kinds[7], kinds[8], kinds[9]
+    if type(template) is not tuple or len(<tuple>template) != 8:
+        raise ValueError("kinds[7] must be the 8-item EngineCoreOutput template")
+    if logprobs_type is not None and not (isinstance(logprobs_type, type)
+                                          and issubclass(logprobs_type, tuple)):
+        raise ValueError("kinds[8] must be LogprobsLists (a tuple type) or None")
     if variant not in (PLACEHOLDERS_IN_BASE, ASYNC_OVERRIDE, NO_PLACEHOLDERS):
         raise ValueError(f"variant must be 0, 1 or 2, got {variant}")
     requests = scheduler.requests
@@ -265,13 +316,28 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
         raise TypeError(f"sampled_token_ids must be a list, got {type(sampled).__name__}")
     if nans is not None and not isinstance(nans, dict):
         raise TypeError(f"num_nans_in_logits must be a dict or None, got {type(nans).__name__}")
-    cdef Py_ssize_t max_model_len, num_spec_tokens, num_scheduled, row, count, i
+    cdef Py_ssize_t max_model_len, num_spec_tokens, num_scheduled, row, count, i, start
     if not (_int_value(scheduler.max_model_len, &max_model_len)
             and _int_value(scheduler.num_spec_tokens, &num_spec_tokens)):
         return None
     cdef _Cache cache = _Cache()
     if not cache.read(scheduler.kv_cache_manager, kinds):
         return None
+    # The step's sample logprobs: vLLM slices them for a request with logprobs
+    # if they are truthy (a LogprobsLists always is).
+    logprobs = model_runner_output.logprobs
+    cdef int logprobs_mode = LOGPROBS_LEAVE
+    cu_rows = logprob_ids = logprob_values = logprob_ranks = None
+    if logprobs is None:
+        logprobs_mode = LOGPROBS_NONE
+    elif (logprobs_type is not None and type(logprobs) is logprobs_type
+          and len(<tuple>logprobs) == 4):
+        logprob_ids, logprob_values, logprob_ranks, cu_rows = <tuple>logprobs
+        if ((cu_rows is None or type(cu_rows) is list)
+                and type(logprob_ids) is array_type and logprob_ids.ndim >= 1
+                and type(logprob_values) is array_type and logprob_values.ndim >= 1
+                and type(logprob_ranks) is array_type and logprob_ranks.ndim >= 1):
+            logprobs_mode = LOGPROBS_SLICE
     cdef Py_ssize_t num_requests = len(<dict>scheduled)
     cdef Taken* taken = <Taken*>PyMem_Malloc(max(num_requests, 1) * sizeof(Taken))
     if taken == NULL:
@@ -315,7 +381,8 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
             if tokens is not None and type(request) is kinds[0]:
                 attrs = request.__dict__
                 if _classify(attrs, tokens, num_scheduled, kinds, variant, max_model_len,
-                             num_spec_tokens, cache, &taken[count]):
+                             num_spec_tokens, cache, row, logprobs_mode, cu_rows,
+                             &taken[count]):
                     slots[i] = tokens  # the request's sampled list, for pass 2
                     taken_requests.append(attrs)
                     count += 1
@@ -328,7 +395,7 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
             return None
         # Pass 2: what vLLM's loop does to each request taken, and its output.
         args = list(<tuple>template[0])
-        at_id, at_tokens, at_stop, at_events, at_trace, at_nans = template[1:]
+        at_id, at_tokens, at_stop, at_events, at_trace, at_nans, at_logprobs = template[1:]
         count = 0
         for i in range(num_requests):
             tokens = slots[i]
@@ -352,6 +419,15 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
             args[at_events] = events
             args[at_trace] = attrs.get("trace_headers")
             args[at_nans] = attrs.get("num_nans_in_logits")
+            if taken[count].has_logprobs:
+                # LogprobsLists.slice_request(row, 1): the same slice of each array.
+                start = taken[count].logprobs_start
+                rows = PySlice_New(start, start + 1, None)
+                args[at_logprobs] = _named_tuple4(
+                    logprobs_type, logprob_ids[rows], logprob_values[rows],
+                    logprob_ranks[rows], None)
+            else:
+                args[at_logprobs] = None
             slots[i] = output_type(*args)
             count += 1
         _taken += count

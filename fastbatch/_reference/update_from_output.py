@@ -13,8 +13,14 @@ A request is taken only if all of these hold (read off vLLM 0.33.0 and
   request is of another front-end, nothing is taken: vLLM orders the
   outputs of several front-ends by first appearance);
 - it has no stale output share, no encoder inputs, no pooling, no
-  structured output, no logprobs, no prefill stats to report, no spec tokens
-  scheduled, no NaN count and no prompt logprobs in this output;
+  structured output, no ``logprob_token_ids``, no prefill stats to report,
+  no spec tokens scheduled, no NaN count and no prompt logprobs in this
+  output;
+- if it asks for sample logprobs (``logprobs`` set: ``num_logprobs`` is not
+  None), the step's ``model_runner_output.logprobs`` is None (vLLM then
+  gives it none) or a ``LogprobsLists`` (exact type) of numpy arrays (at
+  least 1-d) whose ``cu_num_generated_tokens`` is None or a list with an
+  int at the request's row;
 - exactly one token was sampled for it (an int);
 - ``check_stop`` after appending that token says "go on": not EOS, not a
   stop token, below ``max_model_len`` and ``max_tokens``, and either below
@@ -32,13 +38,17 @@ less the scheduled count; the token appended to ``_output_token_ids`` and
 (``variant``: 0, vLLM 0.33, when there is one; 1, vLLM 0.32's
 ``AsyncScheduler``, always, so there must be one; 2, vLLM 0.32's sync
 ``Scheduler``, never); its events taken; an ``EngineCoreOutput`` with the
-sampled list itself as ``new_token_ids``.
+sampled list itself as ``new_token_ids`` and, for a request with sample
+logprobs, ``new_logprobs`` as vLLM's loop makes it:
+``logprobs.slice_request(row, 1)`` (views of the step's arrays).
 
 ``kinds`` is ``(Request, RequestStatus.RUNNING, KVCacheManager,
 (coordinator types...), FullAttentionManager, request_block_hasher's code,
-EngineCoreOutput, template)``; ``template`` is ``(positional arguments,
-index of request_id, of new_token_ids, of stop_reason, of events, of
-trace_headers, of num_nans_in_logits)``.
+EngineCoreOutput, template, LogprobsLists or None, numpy.ndarray)``
+(``None``: requests with sample logprobs go to vLLM's loop unless the step
+has none); ``template`` is ``(positional arguments, index of request_id, of
+new_token_ids, of stop_reason, of events, of trace_headers, of
+num_nans_in_logits, of new_logprobs)``.
 """
 
 from __future__ import annotations
@@ -53,6 +63,10 @@ _COUNTERS = Counters(("fast_outputs", "stock_outputs"))
 stats, reset_stats = _COUNTERS.stats, _COUNTERS.reset_stats
 
 PLACEHOLDERS_IN_BASE, ASYNC_OVERRIDE, NO_PLACEHOLDERS = 0, 1, 2
+# The step's sample logprobs: None (a request with logprobs gets none), a
+# LogprobsLists to slice, or anything else (such requests go to vLLM's loop).
+LOGPROBS_NONE, LOGPROBS_SLICE, LOGPROBS_LEAVE = 0, 1, 2
+_SSIZE_MIN, _SSIZE_MAX = -(2**63), 2**63 - 1
 
 
 def _is_int(*values: Any) -> bool:
@@ -108,11 +122,27 @@ def _hasher_sizes(hasher: Any, code: Any) -> tuple[int, int] | None:
     return block_size, lookahead
 
 
+def _logprobs_mode(logprobs: Any, kinds: tuple[Any, ...]) -> int:
+    if logprobs is None:
+        return LOGPROBS_NONE
+    logprobs_type, array_type = kinds[8], kinds[9]
+    if logprobs_type is None or type(logprobs) is not logprobs_type or len(logprobs) != 4:
+        return LOGPROBS_LEAVE
+    *arrays, cu_rows = logprobs
+    if cu_rows is not None and type(cu_rows) is not list:
+        return LOGPROBS_LEAVE
+    if not all(type(array) is array_type and array.ndim >= 1 for array in arrays):
+        return LOGPROBS_LEAVE
+    return LOGPROBS_SLICE
+
+
 def _classify(request: Any, tokens: Any, num_scheduled: int, kinds: tuple[Any, ...],
               variant: int, max_model_len: int, num_spec_tokens: int,
-              cache: _Cache) -> tuple[int, int] | None:
-    """``(in-flight count after, placeholders after or -1)`` if ``request`` is
-    taken, None if vLLM's loop must take it."""
+              cache: _Cache, row: int, logprobs: Any,
+              logprobs_mode: int) -> tuple[int, int, bool] | None:
+    """``(in-flight count after, placeholders after or -1, whether it gets
+    sample logprobs)`` if ``request`` is taken, None if vLLM's loop must take
+    it."""
     if type(request) is not kinds[0] or request.status is not kinds[1]:
         return None
     if type(tokens) is not list or len(tokens) != 1 or type(tokens[0]) is not int:
@@ -128,8 +158,17 @@ def _classify(request: Any, tokens: Any, num_scheduled: int, kinds: tuple[Any, .
             or request.prefill_stats is not None):
         return None
     params = request.sampling_params
-    if params is None or params.num_logprobs is not None:
+    if params is None or params.logprob_token_ids:
         return None
+    # num_logprobs is logprobs now: vLLM slices the step's logprobs if any.
+    with_logprobs = params.logprobs is not None and logprobs_mode == LOGPROBS_SLICE
+    if params.logprobs is not None and logprobs_mode == LOGPROBS_LEAVE:
+        return None
+    if with_logprobs and logprobs[3] is not None:
+        cu_rows = logprobs[3]
+        if not (row < len(cu_rows) and _is_int(cu_rows[row])
+                and _SSIZE_MIN <= cu_rows[row] < _SSIZE_MAX):
+            return None
     output_ids, all_ids = request._output_token_ids, request._all_token_ids
     if type(output_ids) is not list or type(all_ids) is not list:
         return None
@@ -174,7 +213,7 @@ def _classify(request: Any, tokens: Any, num_scheduled: int, kinds: tuple[Any, .
         cache_upto = request.num_computed_tokens - placeholders_after
     if cache_upto >= 0 and not cache.is_noop(request.request_id, cache_upto):
         return None
-    return in_flight_after, placeholders_after
+    return in_flight_after, placeholders_after, with_logprobs
 
 
 def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_output: Any,
@@ -188,11 +227,14 @@ def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_outp
     """
     if not isinstance(kinds, tuple):
         raise TypeError(f"kinds must be a tuple, got {type(kinds).__name__}")
-    if len(kinds) != 8:
-        raise ValueError(f"kinds must have 8 items, got {len(kinds)}")
-    output_type, template = kinds[6], kinds[7]
-    if type(template) is not tuple or len(template) != 7:
-        raise ValueError("kinds[7] must be the 7-item EngineCoreOutput template")
+    if len(kinds) != 10:
+        raise ValueError(f"kinds must have 10 items, got {len(kinds)}")
+    output_type, template, logprobs_type = kinds[6], kinds[7], kinds[8]
+    if type(template) is not tuple or len(template) != 8:
+        raise ValueError("kinds[7] must be the 8-item EngineCoreOutput template")
+    if logprobs_type is not None and not (isinstance(logprobs_type, type)
+                                          and issubclass(logprobs_type, tuple)):
+        raise ValueError("kinds[8] must be LogprobsLists (a tuple type) or None")
     if variant not in (PLACEHOLDERS_IN_BASE, ASYNC_OVERRIDE, NO_PLACEHOLDERS):
         raise ValueError(f"variant must be 0, 1 or 2, got {variant}")
     requests = scheduler.requests
@@ -221,9 +263,11 @@ def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_outp
     cache = _Cache(scheduler.kv_cache_manager, kinds)
     if not cache.plain:
         return None
+    logprobs = model_runner_output.logprobs
+    logprobs_mode = _logprobs_mode(logprobs, kinds)
     slots: list[Any] = []
     rest: dict[Any, Any] = {}
-    taken: list[tuple[Any, tuple[int, int]]] = []
+    taken: list[tuple[Any, int, tuple[int, int, bool]]] = []
     for req_id, num_scheduled in scheduled.items():
         if type(req_id) is not str:
             return None  # the slots tell ids (str) from outputs by type
@@ -240,22 +284,22 @@ def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_outp
         tokens = sampled[row] if type(row) is int and 0 <= row < len(sampled) else None
         effects = None if tokens is None else _classify(
             request, tokens, num_scheduled, kinds, variant, max_model_len, num_spec_tokens,
-            cache)
+            cache, row, logprobs, logprobs_mode)
         if effects is None:
             slots.append(req_id)
             rest[req_id] = num_scheduled
         else:
             slots.append(tokens)
-            taken.append((request, effects))
+            taken.append((request, row, effects))
     if not taken:
         return None
     args = list(template[0])
-    at_id, at_tokens, at_stop, at_events, at_trace, at_nans = template[1:]
+    at_id, at_tokens, at_stop, at_events, at_trace, at_nans, at_logprobs = template[1:]
     pending = iter(taken)
     for index, tokens in enumerate(slots):
         if type(tokens) is not list:
             continue
-        request, (in_flight_after, placeholders_after) = next(pending)
+        request, row, (in_flight_after, placeholders_after, with_logprobs) = next(pending)
         token = tokens[0]
         request.num_in_flight_tokens = in_flight_after
         request._output_token_ids.append(token)
@@ -273,6 +317,8 @@ def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_outp
         args[at_events] = events
         args[at_trace] = request.trace_headers
         args[at_nans] = request.num_nans_in_logits
+        # As vLLM's loop: the request's slice of the step's LogprobsLists.
+        args[at_logprobs] = logprobs.slice_request(row, len(tokens)) if with_logprobs else None
         slots[index] = output_type(*args)
     _COUNTERS.values["fast_outputs"] += len(taken)
     _COUNTERS.values["stock_outputs"] += len(rest)

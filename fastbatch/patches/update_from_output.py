@@ -5,7 +5,8 @@ the requests that are plain decodes and do not stop this step.  One compiled
 call (``fastbatch.take_decode_outputs``) reads every scheduled request, and
 if the step is consistent does to each plain decode exactly what vLLM's loop
 would (the in-flight count, the token appended, the placeholder resolved,
-its events taken, its ``EngineCoreOutput``).  vLLM's own method then runs on
+its events taken, its ``EngineCoreOutput`` with, for a request with sample
+logprobs, its slice of the step's ``LogprobsLists``).  vLLM's own method then runs on
 a copy of the ``SchedulerOutput`` that lists only the other requests, and
 the outputs are merged back in scheduling order (``merge_decode_outputs``).
 A step with a KV or EC connector, pooling, grammar errors, an aux-output
@@ -30,13 +31,16 @@ Safety: see ``fastbatch.patches._patch``.  The guard pins the target and
 everything the compiled call stands in for (``_update_request_with_output``
 of both scheduler classes, ``check_stop``, the ``Request`` methods, the block
 hasher, the KV-cache manager's and coordinator's ``cache_blocks`` chain, the
-structured-output manager's ``accept_tokens``); which placeholder rule
+structured-output manager's ``accept_tokens``, ``LogprobsLists.slice_request``);
+which placeholder rule
 applies (vLLM 0.33's base method or 0.32's ``AsyncScheduler`` override) is
 read from the fingerprints.  The activation check runs stock and fastbatch
 side by side on stand-ins of both scheduler classes (built without
 ``__init__``, with the state the method reads) over real requests and small
 real KV-cache managers (prefix caching on and off, sync and async, block
-boundaries, stops by length, stop token, EOS and after ``min_tokens``).
+boundaries, stops by length, stop token, EOS and after ``min_tokens``,
+requests with sample logprobs, with and without ``cu_num_generated_tokens``
+and without logprobs in the runner output).
 
 Shadow check (``FASTBATCH_VERIFY``): the snapshot keeps every scheduled
 request's attribute dict and a copy of it (token lists, block hashes,
@@ -45,8 +49,9 @@ compiled call, before vLLM's method runs on the requests it left, vLLM's
 ``update_from_output`` runs on a stand-in scheduler holding copies of the
 requests taken, over a copy of the KV-cache manager whose block pool only
 records calls; compared per request taken: every attribute, queue and
-registration, its ``EngineCoreOutput``, its KV-cache entries and the block
-pool calls (none allowed); also that the requests left were untouched and,
+registration, its ``EngineCoreOutput`` (``new_logprobs`` arrays by dtype,
+shape, strides and bytes), its KV-cache entries and the block pool calls
+(none allowed); also that the requests left were untouched and,
 after the call, that the outputs are merged in scheduling order.  On a
 difference the compiled call's writes are undone in the same objects and
 vLLM's method runs on the whole step (the state after the call is stock's);
@@ -124,6 +129,11 @@ COMPANION_FINGERPRINTS = {
     "vllm.v1.structured_output:StructuredOutputManager.accept_tokens": {
         "40435b7477e1523e2a62f3c6410da11629e7003895ce447cba1e56e7899981ad":
             "vLLM 0.32.0-0.33.0"},
+    # Its slicing is done in place of calling it (the NamedTuple's fields are
+    # checked when bound).
+    "vllm.v1.outputs:LogprobsLists.slice_request": {
+        "e612f3e8355caf95a82f725342a3e2a735ce255d9b9bf711c2a5ced7c0ef8588":
+            "vLLM 0.32.0-0.33.0"},
     # The coordinator's and the full-attention manager's caching, as pinned
     # for the allocation fast path.
     **{name: fingerprints for name, fingerprints in allocate_slots.COMPANION_FINGERPRINTS.items()
@@ -149,12 +159,12 @@ _PENDING: dict[str, Any] | None = None
 
 def _output_template(output_type: Any) -> tuple[Any, ...]:
     """``EngineCoreOutput``'s positional arguments up to the last one the
-    fast path sets, the others at their defaults, and where those six go."""
+    fast path sets, the others at their defaults, and where those seven go."""
     fields = output_type.__struct_fields__
     defaults = output_type.__struct_defaults__
     first_default = len(fields) - len(defaults)
     names = ("request_id", "new_token_ids", "stop_reason", "events", "trace_headers",
-             "num_nans_in_logits")
+             "num_nans_in_logits", "new_logprobs")
     where = [fields.index(name) for name in names]
     args = []
     for index in range(max(where) + 1):
@@ -168,6 +178,7 @@ def _output_template(output_type: Any) -> tuple[Any, ...]:
 
 def _bind() -> None:
     global _KINDS, _STOCK, _SCHEDULERS, _PLACEHOLDERS_IN_BASE, _ENGINE_CORE_OUTPUTS
+    import numpy
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_coordinator import (
         KVCacheCoordinatorNoPrefixCache,
@@ -179,6 +190,7 @@ def _bind() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.outputs import LogprobsLists
     from vllm.v1.request import Request, RequestStatus
 
     from fastbatch._fingerprint import fingerprint
@@ -190,7 +202,28 @@ def _bind() -> None:
     _KINDS = (Request, RequestStatus.RUNNING, KVCacheManager,
               (UnitaryKVCacheCoordinator, KVCacheCoordinatorNoPrefixCache),
               FullAttentionManager, get_request_block_hasher(16, sha256).__code__,
-              EngineCoreOutput, _output_template(EngineCoreOutput))
+              EngineCoreOutput, _output_template(EngineCoreOutput),
+              LogprobsLists if _is_plain_logprobs_lists(LogprobsLists) else None,
+              numpy.ndarray)
+
+
+_LOGPROBS_FIELDS = ("logprob_token_ids", "logprobs", "sampled_token_ranks",
+                    "cu_num_generated_tokens")
+
+
+def _is_plain_logprobs_lists(cls: Any) -> bool:
+    """``LogprobsLists`` is the NamedTuple the compiled call builds with
+    ``tuple.__new__`` (as its ``slice_request`` does) and reads as a tuple:
+    exactly these four fields, read as its items, a plain tuple subclass
+    otherwise.  Else requests with logprobs go to vLLM."""
+    namespace = vars(cls)
+    return (getattr(cls, "_fields", None) == _LOGPROBS_FIELDS
+            and cls.__bases__ == (tuple,) and namespace.get("__slots__") == ()
+            and cls.__new__.__defaults__ == (None,)
+            and all(type(namespace.get(name)).__name__ == "_tuplegetter"
+                    for name in _LOGPROBS_FIELDS)
+            and not any(name in namespace for name in ("__bool__", "__len__", "__getitem__",
+                                                       "__iter__")))
 
 
 def _variant(scheduler: Any) -> int | None:
@@ -338,6 +371,11 @@ def _plain(value: Any, depth: int = 0) -> Any:
         return (type(value).__qualname__,
                 {field.name: _plain(getattr(value, field.name), depth)
                  for field in dataclasses.fields(value)})
+    if (hasattr(value, "tobytes") and hasattr(value, "strides")
+            and not getattr(getattr(value, "dtype", None), "hasobject", True)):
+        # numpy, exactly: dtype, shape, strides and bytes (a NaN equals itself)
+        return (type(value).__qualname__, value.dtype.str, value.shape, value.strides,
+                value.tobytes())
     if hasattr(value, "tolist") and hasattr(value, "dtype"):
         return (type(value).__qualname__, str(value.dtype), value.tolist())
     if isinstance(value, collections.abc.Iterator):
@@ -570,6 +608,12 @@ def _request_state(request: Any) -> dict[str, Any]:
     return out
 
 
+def _exact_output(output: Any) -> Any:
+    """An ``EngineCoreOutput`` as compared: as is, or as plain data if it
+    holds arrays (its sample logprobs)."""
+    return output if getattr(output, "new_logprobs", None) is None else _plain(output)
+
+
 def _outcome_of(scheduler: Any, taken: list[str], requests: dict[str, Any],
                 results: dict[int, Any], kv_calls: list[Any]) -> dict[str, Any]:
     """What a call did to the requests ``taken``: each one's state, queue and
@@ -585,8 +629,11 @@ def _outcome_of(scheduler: Any, taken: list[str], requests: dict[str, Any],
         done = sorted(wanted & set(engine_core_outputs.finished_requests or ()))
         if own or done:
             outputs[client] = {"order": [output.request_id for output in own],
-                               # EngineCoreOutput structs (compared field by field)
-                               "outputs": {output.request_id: output for output in own},
+                               # EngineCoreOutput structs (compared field by field);
+                               # with sample logprobs as plain data (arrays exactly:
+                               # ``==`` on them is elementwise, or ambiguous)
+                               "outputs": {output.request_id: _exact_output(output)
+                                           for output in own},
                                "finished": done}
     return {
         "requests": {rid: (_request_state(requests[rid]), id(requests[rid]) in running,
@@ -816,7 +863,8 @@ def _stand_in_scheduler(cls: Any, enable_caching: bool, requests: list[Any],
 
 def _stand_in_requests() -> list[Any]:
     """Requests that cross block boundaries and stop in every way: by
-    max_tokens, a stop token, EOS, and one that must pass min_tokens first."""
+    max_tokens, a stop token, EOS, and one that must pass min_tokens first;
+    three of them with sample logprobs (1, 0 and -1: the whole vocabulary)."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -824,10 +872,10 @@ def _stand_in_requests() -> list[Any]:
 
     init_none_hash(sha256)
     requests = []
-    for index, (max_tokens, stop, min_tokens) in enumerate(
-            [(9, [], 0), (20, [31], 0), (20, [], 0), (20, [], 6)]):
+    for index, (max_tokens, stop, min_tokens, logprobs) in enumerate(
+            [(9, [], 0, None), (20, [31], 0, 1), (20, [], 0, 0), (20, [], 6, -1)]):
         params = SamplingParams(max_tokens=max_tokens, stop_token_ids=stop,
-                                min_tokens=min_tokens)
+                                min_tokens=min_tokens, logprobs=logprobs)
         params.update_from_generation_config({}, 2)  # EOS = 2
         requests.append(Request(
             request_id=f"r{index}", prompt_token_ids=[5, 6, 7, 8, 9, 10][:3 + index],
@@ -840,7 +888,8 @@ def _side_state(scheduler: Any, outputs: Any) -> Any:
     import msgspec
 
     def plain(output: Any) -> Any:
-        return {key: value for key, value in msgspec.structs.asdict(output).items()
+        return {key: _plain(value) if key == "new_logprobs" else value
+                for key, value in msgspec.structs.asdict(output).items()
                 if key != "timestamp"}
 
     return (
@@ -856,14 +905,32 @@ def _side_state(scheduler: Any, outputs: Any) -> Any:
     )
 
 
+def _stand_in_logprobs(numpy: Any, logprobs_lists: Any, step: int, num_rows: int) -> Any:
+    """The step's sample logprobs: none (every third step), or one row per
+    request (strided views), found by row or (every other time) through
+    ``cu_num_generated_tokens`` past a row of another request."""
+    if step % 3 == 0:
+        return None
+    shift = step % 3 - 1  # 0: cu_num_generated_tokens None; 1: rows shifted by one
+    rows = num_rows + shift
+    values = numpy.arange(rows * 12, dtype=numpy.float32).reshape(rows, 12) * -0.5 - step
+    ids = numpy.arange(rows * 12, dtype=numpy.int32).reshape(rows, 12) + step
+    return logprobs_lists(ids[:, ::2], values[:, 1::2],
+                          numpy.arange(rows, dtype=numpy.int64) + step,
+                          list(range(shift, rows)) if shift else None)
+
+
 def activation_check(method: Any, replacement: Any) -> str | None:
     """Why fastbatch must stay off, or None: a difference between stock and
     fastbatch on stand-in schedulers of both classes (sync and async), prefix
     caching on and off, over prefills, decodes across block boundaries and
-    stops by length, stop token, EOS and after min_tokens."""
+    stops by length, stop token, EOS and after min_tokens, requests with
+    sample logprobs (runner logprobs None, by row, through
+    ``cu_num_generated_tokens``)."""
     from types import SimpleNamespace
 
-    from vllm.v1.outputs import ModelRunnerOutput
+    import numpy
+    from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
     from vllm.v1.request import RequestStatus
 
     global _STOCK
@@ -906,7 +973,8 @@ def activation_check(method: Any, replacement: Any) -> str | None:
                         req_ids=req_ids,
                         req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                         sampled_token_ids=[[tokens[(step + 3 * int(rid[1:])) % len(tokens)]]
-                                           for rid in req_ids])
+                                           for rid in req_ids],
+                        logprobs=_stand_in_logprobs(numpy, LogprobsLists, step, len(req_ids)))
                     scheduler_output = SimpleNamespace(
                         num_scheduled_tokens=scheduled, scheduled_spec_decode_tokens={},
                         total_num_scheduled_tokens=sum(scheduled.values()),
