@@ -52,10 +52,15 @@ def workloads(args) -> dict[str, dict]:
     }
 
 
-def make_tiny_model(path: Path) -> str:
-    """tools/tiny_model.py's Llama at ``path``; its path as a string."""
-    subprocess.run([sys.executable, str(TOOLS / "tiny_model.py"), str(path)], check=True,
-                   capture_output=True)
+DEFAULT_VOCAB = 512  # tools/tiny_model.py's default: most sampled tokens are lone bytes
+
+
+def make_tiny_model(path: Path, vocab: int = DEFAULT_VOCAB) -> str:
+    """tools/tiny_model.py's Llama at ``path``, its tokenizer a BPE of ``vocab``
+    tokens (``--vocab``: above 512, trained on real English text); its path as
+    a string."""
+    subprocess.run([sys.executable, str(TOOLS / "tiny_model.py"), str(path),
+                    "--vocab", str(vocab)], check=True, capture_output=True)
     return str(path)
 
 

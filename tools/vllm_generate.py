@@ -16,8 +16,11 @@ The prompts mix sampling settings that need the output history (repetition,
 presence and frequency penalties, bad words) with plain greedy ones
 (``--settings mixed``), or use penalties only (``--settings penalties``), or
 are all plain greedy (``--settings greedy``) or all with a repetition penalty
-(``--settings repetition``) or all greedy with the sampled token's logprob
-(``--settings logprobs``: ``logprobs=1``; the report then has ``logprobs``);
+(``--settings repetition``) or all greedy with logprobs (``--settings
+logprobs=N``, N = 0, 1 or 5: the sampled token's logprob and the top N;
+``logprobs`` is ``logprobs=1``); with logprobs, the report has per output
+``logprobs`` (per position, ``[token id, logprob, rank, decoded_token]`` of
+each entry vLLM returned, floats exact) and ``cumulative_logprobs``;
 there are more prompts than ``max_num_seqs`` and their ``max_tokens`` differ
 (unless one fixed ``--max-tokens`` is given without ``--varied``), so
 requests join and leave mid-flight and rows are remapped between steps.
@@ -48,6 +51,10 @@ from function_timers import (
     FunctionTimers,
     seconds_per_timed_call,
 )
+
+# --settings kinds with logprobs on every prompt -> SamplingParams.logprobs
+# ("logprobs": the name of logprobs=1 before there were three).
+LOGPROBS_SETTINGS = {"logprobs=0": 0, "logprobs=1": 1, "logprobs=5": 5, "logprobs": 1}
 
 PROMPTS = [
     "Hello world", "The quick brown fox", "Once upon a time there was",
@@ -90,8 +97,8 @@ def _settings(kind: str, bad_words: list[str]) -> list[tuple[str, dict]]:
         return [("greedy", {})]
     if kind == "repetition":
         return [("repetition_penalty", {"repetition_penalty": 1.2})]
-    if kind == "logprobs":
-        return [("logprobs", {"logprobs": 1})]
+    if kind in LOGPROBS_SETTINGS:
+        return [(kind, {"logprobs": LOGPROBS_SETTINGS[kind]})]
     return [
         ("repetition_penalty", {"repetition_penalty": 1.5}),
         ("presence_penalty", {"presence_penalty": 1.0}),
@@ -104,13 +111,14 @@ def _settings(kind: str, bad_words: list[str]) -> list[tuple[str, dict]]:
 
 
 def _logprobs(output) -> list[list[list]] | None:
-    """Per position, ``[token id, logprob, rank]`` of each logprob vLLM
-    returned (the sampled token's and the top ones), or None if none were
-    asked for."""
+    """Per position, ``[token id, logprob, rank, decoded_token]`` of each
+    logprob vLLM returned (the sampled token's and the top ones), in vLLM's
+    order, or None if none were asked for.  JSON keeps the floats exact."""
     positions = output.outputs[0].logprobs
     if positions is None:
         return None
-    return [[[token, entry.logprob, entry.rank] for token, entry in position.items()]
+    return [[[token, entry.logprob, entry.rank, entry.decoded_token]
+             for token, entry in position.items()]
             for position in positions]
 
 
@@ -190,13 +198,14 @@ def main() -> None:
     parser.add_argument("--varied", action="store_true",
                         help="with --max-tokens N: N/2 to N, varying by prompt")
     parser.add_argument("--settings",
-                        choices=("mixed", "penalties", "greedy", "repetition", "logprobs"),
+                        choices=("mixed", "penalties", "greedy", "repetition",
+                                 *LOGPROBS_SETTINGS),
                         default="mixed",
                         help="mixed: penalties, bad words and plain greedy; penalties: "
                              "repetition/presence/frequency penalties on every prompt; "
                              "greedy: plain greedy; repetition: a repetition penalty on "
-                             "every prompt; logprobs: greedy with logprobs=1 on every "
-                             "prompt")
+                             "every prompt; logprobs=N (N = 0, 1, 5): greedy with "
+                             "logprobs=N on every prompt; logprobs: logprobs=1")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="default: vLLM's")
@@ -298,6 +307,7 @@ def main() -> None:
     logprobs = [_logprobs(o) for o in outputs]
     if any(entry is not None for entry in logprobs):
         report["logprobs"] = logprobs
+        report["cumulative_logprobs"] = [o.outputs[0].cumulative_logprob for o in outputs]
     report["output_tokens"] = sum(map(len, token_ids))
     report["tokens_per_s"] = report["output_tokens"] / report["generate_s"]
     report["methods"] = timers.report() if args.time_method else {}
