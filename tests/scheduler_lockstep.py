@@ -83,6 +83,15 @@ class Workload:
     # sampled token, found through cu_num_generated_tokens), "none" (None).
     logprobs_probability: float = 0.0
     runner_logprobs: tuple[str, ...] = ("rows",)
+    # Spec decoding (sync scheduling only): the scheduler's num_spec_tokens
+    # and num_lookahead_tokens (set after it is built: no draft model on the
+    # CPU), and how the fake drafter and runner answer: after each step every
+    # decoding request gets 0 to num_spec_tokens drafts, and of the drafts
+    # scheduled the runner accepts all, some or none (one of
+    # ``draft_acceptance`` drawn per request) and samples one token more.
+    num_spec_tokens: int = 0
+    num_lookahead_tokens: int = 0
+    draft_acceptance: tuple[str, ...] = ("all", "some", "none")
 
 
 WORKLOADS = (
@@ -131,6 +140,30 @@ LOGPROB_WORKLOADS = (
              runner_logprobs=("rows", "cu")),
 )
 LOGPROB_CHOICES = (0, 1, 5, -1)
+
+# Workloads with spec decoding's drafts and lookahead slots (not in
+# WORKLOADS: the other pieces' tests keep theirs).
+SPEC_WORKLOADS = (
+    Workload("spec-decode", max_num_seqs=24, arrival_probability=0.3,
+             abort_probability=0.0, eos_probability=0.0, num_spec_tokens=3,
+             num_lookahead_tokens=3),
+    Workload("spec-decode-mixed", abort_probability=0.05, num_spec_tokens=3,
+             num_lookahead_tokens=3),
+    Workload("spec-decode-no-prefix-cache", prefix_caching=False, num_spec_tokens=4,
+             num_lookahead_tokens=4, max_output=120),
+    Workload("spec-decode-preemption", num_blocks=40, max_num_seqs=12,
+             arrival_probability=0.7, max_prompt=40, max_output=160, num_spec_tokens=3,
+             num_lookahead_tokens=3),
+    Workload("spec-decode-small-blocks", block_size=4, num_blocks=300,
+             max_num_batched_tokens=96, long_prefill_token_threshold=16,
+             arrival_probability=0.8, num_spec_tokens=5, num_lookahead_tokens=2,
+             draft_acceptance=("all", "some")),
+    Workload("spec-decode-drafts-only", max_num_seqs=24, num_spec_tokens=3,
+             num_lookahead_tokens=0),  # ngram-like: drafts, no lookahead slots
+    Workload("spec-decode-max-model-len", max_model_len=64, max_prompt=40,
+             max_output=100, num_spec_tokens=3, num_lookahead_tokens=3,
+             draft_acceptance=("all",)),
+)
 
 
 def _model_dir() -> str:
@@ -214,6 +247,18 @@ def make_scheduler(workload: Workload) -> Any:
     if workload.model_runner_v2:
         # Read nowhere else at run time (``can_skip_drafts`` needs lookahead tokens).
         scheduler.use_v2_model_runner = True
+    if workload.num_spec_tokens:
+        # What the scheduler's __init__ derives from a speculative config's
+        # counts (a real one needs a draft model); async scheduling's drafts
+        # (placeholders) are not modelled.
+        from vllm.utils.math_utils import cdiv
+
+        assert not workload.async_scheduling
+        scheduler.num_spec_tokens = workload.num_spec_tokens
+        scheduler.num_lookahead_tokens = workload.num_lookahead_tokens
+        scheduler._spec_decode_step_blocks = cdiv(
+            1 + workload.num_spec_tokens + workload.num_lookahead_tokens,
+            workload.block_size)
     return scheduler
 
 
@@ -442,6 +487,8 @@ class Lockstep:
     def _sample(self, scheduler_output: Any) -> dict[str, list[int]]:
         """The fake runner: one token for each request whose chunk completes
         its known tokens (read from the stock side, right after scheduling)."""
+        if self.workload.num_spec_tokens:
+            return self._sample_spec(scheduler_output)
         rng = self.rng
         sampled: dict[str, list[int]] = {}
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -463,6 +510,54 @@ class Lockstep:
                     token = rng.randrange(3, VOCAB_SIZE)
             sampled[req_id] = [token]
         return sampled
+
+    def _sample_spec(self, scheduler_output: Any) -> dict[str, list[int]]:
+        """The fake runner with spec decoding: of a request's scheduled drafts
+        the first ``accepted`` (all, some or none), then one sampled token;
+        never a stop token before ``min_tokens`` (the drafts are never EOS
+        nor a stop token)."""
+        rng = self.rng
+        sampled: dict[str, list[int]] = {}
+        drafts_of = scheduler_output.scheduled_spec_decode_tokens
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.stock.requests[req_id]
+            if request.is_prefill_chunk:
+                sampled[req_id] = []
+                continue
+            drafts = list(drafts_of.get(req_id, ()))
+            mode = rng.choice(self.workload.draft_acceptance)
+            accepted = (len(drafts) if mode == "all" else 0 if mode == "none"
+                        else rng.randint(0, len(drafts)))
+            tokens = drafts[:accepted]
+            params = request.sampling_params
+            produced = request.num_output_tokens + len(tokens)
+            may_stop = produced >= params.min_tokens
+            if may_stop and rng.random() < self.workload.eos_probability:
+                token = EOS_TOKEN_ID
+            else:
+                token = rng.randrange(3, VOCAB_SIZE)
+                while not may_stop and token in params.all_stop_token_ids:
+                    token = rng.randrange(3, VOCAB_SIZE)
+            sampled[req_id] = [*tokens, token]
+        return sampled
+
+    def _drafts(self, scheduler_output: Any) -> Any:
+        """The fake drafter after a step: 0 to ``num_spec_tokens`` drafts for
+        every request of the step still decoding (read from the stock side),
+        as vLLM's ``DraftTokenIds``; never EOS nor a stop token."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        rng, req_ids, drafts = self.rng, [], []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.stock.requests.get(req_id)
+            if request is None or request.is_finished() or request.is_prefill_chunk:
+                continue
+            stops = request.sampling_params.all_stop_token_ids
+            choices = [t for t in range(3, VOCAB_SIZE) if t not in stops]
+            req_ids.append(req_id)
+            drafts.append([rng.choice(choices)
+                           for _ in range(rng.randint(0, self.workload.num_spec_tokens))])
+        return DraftTokenIds(req_ids, drafts)
 
     def _sample_logprobs(self, scheduler_output: Any,
                          sampled: dict[str, list[int]]) -> Any:
@@ -530,6 +625,11 @@ class Lockstep:
         if tamper is not None:
             tamper(self.steps, fast_result)
         self._compare("engine_core_outputs", snapshot(stock_result), snapshot(fast_result))
+        if self.workload.num_spec_tokens:
+            drafts = self._drafts(stock_output)
+            for side in (self.stock, self.fast):  # each side its own lists
+                side.update_draft_token_ids(type(drafts)(
+                    list(drafts.req_ids), [list(ids) for ids in drafts.draft_token_ids]))
         self._compare_states()
 
     def step(self, tamper: Callable[[int, Any], None] | None = None) -> None:

@@ -7,7 +7,12 @@ and compares scheduler outputs, engine-core outputs, the whole KV-cache state
 and every request after every step, over workloads that leave the fast path
 (prefix caching on and off, async and sync scheduling, EOS, stop tokens,
 min_tokens, max_tokens, aborts, preemption, chunked prefill, block
-boundaries, arrivals every step, the scheduler's Model Runner V2 branches).
+boundaries, arrivals every step, the scheduler's Model Runner V2 branches),
+and spec decoding (``SPEC_WORKLOADS``: drafts of 0 to k tokens, all, some or
+none accepted, lookahead slots, at block boundaries and at max_model_len).
+Lookahead calls are also checked one by one against vLLM's method on real
+KV-cache managers: those that fit in the held blocks, those that need one
+block more, at block boundaries, with prefix caching on and off.
 ``FASTBATCH_LOCKSTEP_STEPS`` sets the total number of steps (default 2,000;
 the report runs >= 10,000).
 Each lockstep run, with the compiled piece or its pure-Python twin, asserts
@@ -24,6 +29,7 @@ its deprecated 0.1 name ``scheduler``.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import os
 from types import MethodType, SimpleNamespace
@@ -67,7 +73,7 @@ def make_fast(workload: lockstep.Workload, piece=compiled_piece):
     return scheduler
 
 
-IDLE = {"noop_allocations": 0, "stock_allocations": 0}
+IDLE = {"noop_allocations": 0, "noop_lookahead_allocations": 0, "stock_allocations": 0}
 
 
 @pytest.mark.parametrize("workload", lockstep.WORKLOADS, ids=lambda w: w.name)
@@ -94,6 +100,48 @@ def test_lockstep_with_the_pure_python_twin(workload):
     assert twin_piece.stats()["noop_allocations"] > 0  # the twin took requests
     assert twin_piece.stats()["stock_allocations"] > 0  # and left some to vLLM
     assert compiled_piece.stats() == IDLE  # the compiled piece never ran
+
+
+@pytest.mark.parametrize("workload", lockstep.SPEC_WORKLOADS, ids=lambda w: w.name)
+def test_lockstep_spec_decode_matches_stock(workload):
+    _kernels.reset_stats()
+    _reference.reset_stats()
+    harness = lockstep.Lockstep(workload, seed=12, make_fast=make_fast)
+    harness.run(STEPS_PER_WORKLOAD)  # raises Divergence at the first difference
+    counters = fastbatch.stats()["allocate_slots"]
+    assert counters["noop_allocations"] > 0 and counters["stock_allocations"] > 0
+    if workload.num_lookahead_tokens:
+        # Every call of a running request carries the lookahead: the kernel took them.
+        assert counters["noop_lookahead_allocations"] == counters["noop_allocations"]
+    else:
+        assert counters["noop_lookahead_allocations"] == 0
+    assert twin_piece.stats() == IDLE
+    if workload.name.endswith("preemption"):
+        assert harness.preemptions > 0
+
+
+@pytest.mark.parametrize("workload", lockstep.SPEC_WORKLOADS, ids=lambda w: w.name)
+def test_lockstep_spec_decode_with_every_scheduler_piece(workload):
+    """As ``FASTBATCH=1`` leaves a scheduler (the four scheduler pieces)."""
+    from test_update_from_output import make_fast_with_every_scheduler_piece
+
+    _kernels.reset_stats()
+    _reference.reset_stats()
+    lockstep.Lockstep(workload, seed=8,
+                      make_fast=make_fast_with_every_scheduler_piece).run(60)
+    counters = fastbatch.stats()["allocate_slots"]
+    assert counters["noop_allocations"] > 0 and counters["stock_allocations"] > 0
+    assert twin_piece.stats() == IDLE
+
+
+def test_lockstep_spec_decode_with_the_pure_python_twin():
+    _kernels.reset_stats()
+    _reference.reset_stats()
+    lockstep.Lockstep(lockstep.SPEC_WORKLOADS[1], seed=5,
+                      make_fast=lambda w: make_fast(w, twin_piece)).run(60)
+    counters = twin_piece.stats()
+    assert counters["noop_lookahead_allocations"] > 0 and counters["stock_allocations"] > 0
+    assert compiled_piece.stats() == IDLE
 
 
 def test_harness_reports_a_planted_one_token_difference():
@@ -134,6 +182,164 @@ def test_harness_reports_a_planted_kv_state_difference():
 
 def test_stock_against_stock_is_equal():
     lockstep.Lockstep(lockstep.WORKLOADS[3], seed=2).run(40)
+
+
+# Lookahead calls one by one against vLLM's method on real KV-cache managers --
+
+def _running_request(piece_stock, caching, prompt_len, prefill_lookahead, ahead):
+    """A small real manager (blocks of 4, 12 blocks, max_model_len 64) and a
+    running request in it: its prompt prefilled (through vLLM's method, with
+    ``prefill_lookahead`` slots), one token sampled, ``ahead`` more tokens
+    computed than known (async scheduling's in-flight token)."""
+    from vllm.v1.request import RequestStatus
+
+    manager = patch._small_manager(caching)
+    request = lockstep.make_request(lockstep.RequestSpec(
+        "a", tuple(range(5, 5 + prompt_len)), 32, 0, (), False), 4)
+    assert piece_stock(manager, request, prompt_len,
+                       num_lookahead_tokens=prefill_lookahead) is not None
+    request.status = RequestStatus.RUNNING
+    request.num_computed_tokens = prompt_len + ahead
+    request.append_output_token_ids(40)
+    return manager, request
+
+
+def _answer(manager, result):
+    return ("empty" if result is manager.empty_kv_cache_blocks
+            else None if result is None else result.get_block_ids())
+
+
+def _request_state(request):
+    return (request.num_computed_tokens, request.num_tokens, len(request.block_hashes),
+            request.status)
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-caching", "no-prefix-cache"])
+@pytest.mark.parametrize("piece", [compiled_piece, twin_piece], ids=["compiled", "twin"])
+def test_lookahead_calls_match_vllm_one_by_one(piece, caching):
+    """Every (prompt, prefill lookahead, drafts, lookahead, in-flight) state
+    of a grid: fastbatch's method and vLLM's on twin managers give the same
+    answer and leave the same state; fastbatch answers itself exactly when
+    the held blocks cover the new tokens and the lookahead slots and no
+    block of committed tokens is to be cached, and the grid holds calls
+    that fit, that fit exactly (to the block boundary), and that need one
+    block more."""
+    piece.bind(STOCK, patch.kinds())
+    seen = set()
+    for prompt_len in range(1, 13):
+        for prefill_lookahead in (0, 2, 3):
+            for ahead in (0, 1):
+                for num_drafts in range(4):
+                    for lookahead in range(5):
+                        sides = [_running_request(STOCK, caching, prompt_len,
+                                                  prefill_lookahead, ahead)
+                                 for _ in range(2)]
+                        (stock_manager, stock_request), (manager, request) = sides
+                        held = -(-(prompt_len + prefill_lookahead) // 4)
+                        assert len(patch.kv_manager_state(manager)[0][0][0]["a"]) == held
+                        num_new = 1 + num_drafts
+                        need = prompt_len + ahead + num_new + lookahead
+                        fits = -(-need // 4) <= held
+                        caches = caching and (prompt_len + 1) % 4 == 0
+                        before = piece.stats()
+                        expected = _answer(stock_manager, STOCK(
+                            stock_manager, stock_request, num_new,
+                            num_lookahead_tokens=lookahead))
+                        got = _answer(manager, piece.allocate_slots(
+                            manager, request, num_new, num_lookahead_tokens=lookahead))
+                        case = (prompt_len, prefill_lookahead, ahead, num_drafts, lookahead)
+                        assert got == expected, case
+                        assert (patch.kv_manager_state(manager)
+                                == patch.kv_manager_state(stock_manager)), case
+                        assert _request_state(request) == _request_state(stock_request)
+                        after = piece.stats()
+                        noop = after["noop_allocations"] - before["noop_allocations"]
+                        assert noop == (fits and not caches), case
+                        assert (after["noop_lookahead_allocations"]
+                                - before["noop_lookahead_allocations"]
+                                == (noop and lookahead > 0)), case
+                        assert after["stock_allocations"] - before["stock_allocations"] == 1 - noop
+                        if noop:
+                            assert expected == "empty"
+                        if lookahead and fits:
+                            seen.add("fits" if need < held * 4 else "fits exactly")
+                        if lookahead and -(-need // 4) == held + 1:
+                            assert expected not in ("empty", None)
+                            assert sum(map(len, expected)) == 1  # one block more, vLLM's
+                            seen.add("one block more")
+                        if lookahead and fits and caches:
+                            seen.add("fits, caches a block")
+    assert seen == ({"fits", "fits exactly", "one block more", "fits, caches a block"}
+                    if caching else {"fits", "fits exactly", "one block more"})
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-caching", "no-prefix-cache"])
+def test_lookahead_slots_capped_at_max_model_len(caching):
+    """vLLM caps the slots needed at max_model_len: a request whose blocks
+    hold max_model_len tokens needs no block for lookahead slots past it, and
+    fastbatch answers those calls itself."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import RequestStatus
+
+    compiled_piece.bind(STOCK, patch.kinds())
+    config = KVCacheConfig(num_blocks=12, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=4, num_kv_heads=1,
+                                                      head_size=1, dtype=torch.float32))])
+    capped = 0
+    for prompt_len in range(9, 15):
+        for num_drafts in range(16 - prompt_len):
+            for lookahead in range(5):
+                sides = []
+                for _ in range(2):
+                    manager = KVCacheManager(config, max_model_len=16, scheduler_block_size=4,
+                                             hash_block_size=4, enable_caching=caching)
+                    request = lockstep.make_request(lockstep.RequestSpec(
+                        "a", tuple(range(5, 5 + prompt_len)), 8, 0, (), False), 4)
+                    STOCK(manager, request, prompt_len, num_lookahead_tokens=4)  # 4 blocks
+                    request.status = RequestStatus.RUNNING
+                    request.num_computed_tokens = prompt_len
+                    request.append_output_token_ids(40)
+                    sides.append((manager, request))
+                (stock_manager, stock_request), (manager, request) = sides
+                need = prompt_len + 1 + num_drafts + lookahead
+                caches = caching and (prompt_len + 1) % 4 == 0
+                before = compiled_piece.stats()["noop_allocations"]
+                expected = _answer(stock_manager, STOCK(stock_manager, stock_request,
+                                                        1 + num_drafts,
+                                                        num_lookahead_tokens=lookahead))
+                got = _answer(manager, compiled_piece.allocate_slots(
+                    manager, request, 1 + num_drafts, num_lookahead_tokens=lookahead))
+                assert got == expected == "empty"  # 4 blocks hold max_model_len
+                assert patch.kv_manager_state(manager) == patch.kv_manager_state(stock_manager)
+                noop = compiled_piece.stats()["noop_allocations"] - before
+                assert noop == (not caches)
+                capped += noop and need > 16
+    assert capped > 0
+
+
+def test_lookahead_calls_over_many_steps_match_vllm():
+    """Long runs of spec decode steps (drafts verified, some rejected,
+    lookahead slots) on real managers, to max_model_len, stock and fastbatch
+    side by side (the activation check's run, longer)."""
+    for caching in (True, False):
+        for lookahead in (1, 2, 3, 5):
+            compiled_piece.reset_stats()
+            assert patch._side_by_side(STOCK, patch.allocate_slots, caching, lookahead) is None
+            assert compiled_piece.stats()["noop_lookahead_allocations"] > 0
+
+
+def test_activation_check_refuses_a_kernel_that_ignores_lookahead():
+    def ignores_lookahead(self, request, num_new_tokens, **kwargs):
+        """A kernel whose decision leaves the lookahead slots out."""
+        reserved = kwargs.get("reserved_blocks", 0)
+        if _kernels.allocate_slots_is_noop(self, request, num_new_tokens, reserved,
+                                           patch.kinds()):
+            return self.empty_kv_cache_blocks
+        return patch.allocate_slots(self, request, num_new_tokens, **kwargs)
+
+    problem = patch.activation_check(STOCK, ignores_lookahead)
+    assert problem is not None and "lookahead 2" in problem
 
 
 # Stand-ins for the pure decision (compiled vs twin); the real path is the
@@ -215,7 +421,8 @@ def _recording_stock(calls):
        st.integers(0, 48), st.integers(0, 2), st.integers(0, 3),
        st.booleans(), st.booleans(), st.booleans(), st.booleans(), st.booleans(),
        st.integers(0, 4), st.tuples(st.booleans(), st.booleans(), st.booleans()),
-       st.sampled_from([0, 1, 0.0, False, None]))
+       st.one_of(st.integers(0, 8), st.sampled_from([-1, 2**30, 2**40, 0.0, 1.0, False,
+                                                      True, None])))
 def test_compiled_matches_twin(num_blocks, num_computed, num_new, max_model_len, block_size,
                                hash_block_size, num_cached, num_tokens, reprefillable, free,
                                caching, cacheable, running, has_blocks, partial_hit, reserved,
@@ -226,6 +433,14 @@ def test_compiled_matches_twin(num_blocks, num_computed, num_new, max_model_len,
     expected = _reference.allocate_slots_is_noop(manager, request, num_new, reserved, KINDS)
     assert _kernels.allocate_slots_is_noop(manager, request, num_new, reserved,
                                            KINDS) is expected
+    with_lookahead = _reference.allocate_slots_is_noop(manager, request, num_new, reserved,
+                                                       KINDS, lookahead)
+    assert _kernels.allocate_slots_is_noop(manager, request, num_new, reserved, KINDS,
+                                           num_lookahead_tokens=lookahead) is with_lookahead
+    if not (type(lookahead) is int and 0 <= lookahead < 2**30):
+        assert with_lookahead is False  # vLLM's code decides
+    elif with_lookahead:
+        assert expected  # lookahead slots only ever take a yes away
     # The method: the same decision, and vLLM's method (here a recorder) otherwise.
     results = []
     for piece in (compiled_piece, twin_piece):
@@ -235,7 +450,25 @@ def test_compiled_matches_twin(num_blocks, num_computed, num_new, max_model_len,
                                       num_lookahead_tokens=lookahead)
         results.append((result is manager.empty_kv_cache_blocks, calls))
     assert results[0] == results[1]
-    assert results[0][0] is (expected and type(lookahead) is int and lookahead == 0)
+    assert results[0][0] is with_lookahead
+
+
+def test_compiled_matches_twin_on_a_lookahead_grid():
+    """Every held-block count, computed count, new count, block size and
+    lookahead of a grid (a running request, caching on and off): the same
+    decision, and the lookahead slots take some yeses away."""
+    taken_away = 0
+    for num_blocks, num_computed, num_new, block_size, lookahead, caching in itertools.product(
+            range(5), range(0, 41, 3), range(-1, 6), (1, 4, 16), range(9), (True, False)):
+        manager, request = _stand_in(num_blocks, num_computed, num_new, 48, block_size, 4, 6,
+                                     48, 0, 3, caching, True, True, True, False)
+        expected = _reference.allocate_slots_is_noop(manager, request, num_new, 0, KINDS,
+                                                     lookahead)
+        assert _kernels.allocate_slots_is_noop(manager, request, num_new, 0, KINDS,
+                                               lookahead) is expected
+        taken_away += (not expected and _reference.allocate_slots_is_noop(
+            manager, request, num_new, 0, KINDS))
+    assert taken_away > 0
 
 
 def _defaults_stand_in():
@@ -273,6 +506,18 @@ def test_every_argument_is_forwarded_as_it_came(piece):
                     for other, default in zip(names, defaults, strict=True)]
         assert calls == [(manager, request, 1, *expected)]
         assert calls[0][3 + names.index(name)] is value
+    # A lookahead that fits in the held block (3 computed + 1 new + 0): no call;
+    # one that does not (a second block), or not an int >= 0: vLLM's method.
+    assert piece.allocate_slots(manager, request, 1, num_lookahead_tokens=0) \
+        is manager.empty_kv_cache_blocks
+    for value in (1, 5, -1, 2**40, True):
+        calls.clear()
+        assert piece.allocate_slots(manager, request, 1, num_lookahead_tokens=value) is calls
+        assert calls[0][3 + names.index("num_lookahead_tokens")] is value
+    request.num_computed_tokens = 2
+    assert piece.allocate_slots(manager, request, 1, num_lookahead_tokens=1) \
+        is manager.empty_kv_cache_blocks
+    request.num_computed_tokens = 3
     # The two arguments that do not matter for a running request: still a no-op.
     calls.clear()
     assert piece.allocate_slots(manager, request, 1, has_scheduled_reqs=False,
@@ -381,7 +626,7 @@ def test_plugin_applies_and_reverts(monkeypatch):
 # method for the stock side (the check runs vLLM's method on the fast side's
 # live state).
 
-VERIFY_WORKLOADS = lockstep.WORKLOADS
+VERIFY_WORKLOADS = lockstep.WORKLOADS + lockstep.SPEC_WORKLOADS
 VERIFY_STEPS = max(40, STEPS_PER_WORKLOAD // 2)
 
 
@@ -472,6 +717,35 @@ def test_verify_planted_bug_is_caught_and_vllm_result_stands(verified, monkeypat
     assert patch.PATCH.divergences == 1
     monkeypatch.setattr(patch.PATCH, "replacement", claims_nothing_to_allocate_late(real))
     # The reproducer replays the divergence, and no longer once the bug is gone.
+    problem = vllm_plugin.replay(path)
+    assert problem is not None and "returned 'empty_kv_cache_blocks'" in problem
+    monkeypatch.setattr(patch.PATCH, "replacement", real)
+    assert vllm_plugin.replay(path) is None
+
+
+def test_verify_catches_a_decision_that_leaves_the_lookahead_out(verified, monkeypatch):
+    """A planted bug in the new case: "nothing to allocate" where the new
+    tokens fit but the lookahead slots need a block.  The shadow check
+    catches it at once and vLLM's allocation stands (the lockstep sees no
+    difference)."""
+    make_fast_checked = verified(1.0)
+    real = patch.PATCH.replacement
+
+    def ignores_lookahead(self, request, num_new_tokens, *args, **kwargs):
+        if not args and _kernels.allocate_slots_is_noop(
+                self, request, num_new_tokens, kwargs.get("reserved_blocks", 0),
+                patch.kinds()):
+            return self.empty_kv_cache_blocks
+        return real(self, request, num_new_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(patch.PATCH, "replacement", ignores_lookahead)
+    harness = lockstep.Lockstep(lockstep.SPEC_WORKLOADS[0], seed=3,
+                                make_fast=make_fast_checked)
+    while patch.PATCH.divergences == 0 and harness.steps < 200:
+        harness.step()
+    assert patch.PATCH.divergences == 1
+    harness.run(20)  # vLLM's method from now on, the state still stock's
+    (path,) = patch.PATCH.reproducers
     problem = vllm_plugin.replay(path)
     assert problem is not None and "returned 'empty_kv_cache_blocks'" in problem
     monkeypatch.setattr(patch.PATCH, "replacement", real)

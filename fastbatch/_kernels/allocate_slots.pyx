@@ -4,9 +4,10 @@
 ``allocate_slots`` is the method itself, bound on vLLM's class by the patch
 (a Cython function binds like a Python one: ``binding`` is on, Cython 3's
 default), with vLLM's signature and defaults.  One compiled call checks the
-defaults, decides whether vLLM's method would return ``empty_kv_cache_blocks``
-and change nothing, and then returns that object, or calls vLLM's method
-(``bind``) with every argument as it came.  The decision is the one of
+defaults (``num_lookahead_tokens`` may be any count: spec decoding's
+lookahead slots), decides whether vLLM's method would return
+``empty_kv_cache_blocks`` and change nothing, and then returns that object,
+or calls vLLM's method (``bind``) with every argument as it came.  The decision is the one of
 ``fastbatch._reference.allocate_slots`` (see its module note for why each
 condition), read with C-level type checks, dict lookups and reads of the
 fields that the pinned vLLM methods and properties would return (no Python
@@ -23,19 +24,21 @@ from libc.stdint cimport uint64_t
 from fastbatch._kernels._common cimport PyLong_CheckExact, long_as_compact
 
 cdef uint64_t _noop_allocations = 0
+cdef uint64_t _noop_lookahead_allocations = 0
 cdef uint64_t _stock_allocations = 0
 
 
 def stats():
     """This piece's counters since import or the last ``reset_stats()``."""
     return {"noop_allocations": _noop_allocations,
+            "noop_lookahead_allocations": _noop_lookahead_allocations,
             "stock_allocations": _stock_allocations}
 
 
 def reset_stats():
     """Set every counter of ``stats()`` back to zero."""
-    global _noop_allocations, _stock_allocations
-    _noop_allocations = _stock_allocations = 0
+    global _noop_allocations, _noop_lookahead_allocations, _stock_allocations
+    _noop_allocations = _noop_lookahead_allocations = _stock_allocations = 0
 
 
 cdef class _Kinds:
@@ -104,7 +107,7 @@ cdef inline bint _is_int_zero(object value) noexcept:
 
 
 cdef bint _is_noop(object manager, object request, object num_new_tokens,
-                   object reserved_blocks, _Kinds kinds) except -1:
+                   object reserved_blocks, Py_ssize_t lookahead, _Kinds kinds) except -1:
     cdef Py_ssize_t new_tokens, reserved, computed, max_model_len, block_size
     cdef Py_ssize_t free_blocks, hash_block_size, num_tokens, reprefillable, num_cached
     cdef Py_ssize_t total_computed, need_slots, cacheable
@@ -139,7 +142,9 @@ cdef bint _is_noop(object manager, object request, object num_new_tokens,
     if new_tokens <= 0 or block_size <= 0 or computed < 0:
         return False
     total_computed = min(computed, max_model_len)
-    need_slots = min(total_computed + new_tokens, max_model_len)
+    # Every count is below 2**30: no overflow.  The lookahead slots count
+    # towards the blocks needed, not towards the tokens to cache.
+    need_slots = min(total_computed + new_tokens + lookahead, max_model_len)
     if need_slots < 0:
         return False
     # vLLM's cdiv, for a count >= 0 and a block size > 0.
@@ -188,23 +193,28 @@ def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
     """fastbatch's ``KVCacheManager.allocate_slots`` (vLLM's signature and defaults).
 
     ``self.empty_kv_cache_blocks`` where vLLM's method would return it and
-    change nothing: every argument but ``num_new_tokens`` and
-    ``reserved_blocks`` at its default (``has_scheduled_reqs`` and
+    change nothing: every argument but ``num_new_tokens``,
+    ``num_lookahead_tokens`` (an int >= 0) and ``reserved_blocks`` at its
+    default (``has_scheduled_reqs`` and
     ``skip_zeroing_group_ids`` do not matter for a running request without new
     computed blocks) and ``allocate_slots_is_noop``; vLLM's method (``bind``)
     with the same arguments otherwise.
     """
-    global _noop_allocations, _stock_allocations
+    global _noop_allocations, _noop_lookahead_allocations, _stock_allocations
+    cdef Py_ssize_t lookahead = 0
     if _stock is None:
         raise RuntimeError("fastbatch's allocate_slots is not bound to vLLM's method "
                            "(fastbatch.patches.allocate_slots.bind() does it)")
     if (new_computed_blocks is None and _is_int_zero(num_new_computed_tokens)
-            and _is_int_zero(num_lookahead_tokens)
+            and _as_index(num_lookahead_tokens, &lookahead) and lookahead >= 0
             and _is_int_zero(num_external_computed_tokens)
             and _is_int_zero(num_encoder_tokens) and delay_cache_blocks is False
             and full_sequence_must_fit is False
-            and _is_noop(self, request, num_new_tokens, reserved_blocks, _bound_kinds)):
+            and _is_noop(self, request, num_new_tokens, reserved_blocks, lookahead,
+                         _bound_kinds)):
         _noop_allocations += 1
+        if lookahead:
+            _noop_lookahead_allocations += 1
         return self.empty_kv_cache_blocks
     _stock_allocations += 1
     return _stock(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
@@ -213,19 +223,29 @@ def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
                   has_scheduled_reqs, skip_zeroing_group_ids)
 
 
-def allocate_slots_is_noop(manager, request, num_new_tokens, reserved_blocks, kinds):
+def allocate_slots_is_noop(manager, request, num_new_tokens, reserved_blocks, kinds,
+                           num_lookahead_tokens=0):
     """True if vLLM's ``manager.allocate_slots(request, num_new_tokens,
-    reserved_blocks=reserved_blocks)`` would return ``empty_kv_cache_blocks``
-    and change no state (see ``fastbatch._reference.allocate_slots``).
+    reserved_blocks=reserved_blocks, num_lookahead_tokens=num_lookahead_tokens)``
+    would return ``empty_kv_cache_blocks`` and change no state (see
+    ``fastbatch._reference.allocate_slots``).  ``num_lookahead_tokens`` must
+    be an exact int from 0 to 2**30 - 1, as vLLM's scheduler passes (else the
+    answer is False).
 
     ``kinds`` is ``(KVCacheManager, (coordinator types...),
     FullAttentionManager, BlockPool, Request, FullAttentionSpec,
     RequestStatus.RUNNING)`` of the vLLM in use.  Counted as
     ``allocate_slots`` counts its calls.
     """
-    global _noop_allocations, _stock_allocations
-    if _is_noop(manager, request, num_new_tokens, reserved_blocks, _unpack_kinds(kinds)):
+    global _noop_allocations, _noop_lookahead_allocations, _stock_allocations
+    cdef Py_ssize_t lookahead = 0
+    cdef _Kinds unpacked = _unpack_kinds(kinds)
+    if (_as_index(num_lookahead_tokens, &lookahead) and lookahead >= 0
+            and _is_noop(manager, request, num_new_tokens, reserved_blocks, lookahead,
+                         unpacked)):
         _noop_allocations += 1
+        if lookahead:
+            _noop_lookahead_allocations += 1
         return True
     _stock_allocations += 1
     return False

@@ -7,12 +7,16 @@ every other argument is at its default, and calls vLLM's method (``bind``)
 with the same arguments otherwise.
 
 ``allocate_slots_is_noop`` says whether vLLM's ``KVCacheManager.allocate_slots``,
-called for ``request`` with ``num_new_tokens`` and every other argument at its
-default (``reserved_blocks`` aside), would return ``empty_kv_cache_blocks``
-and change nothing: no block to allocate, free, or cache.  That is the case
-of a running request in a plain decode step that stays inside its last block
-(15 steps out of 16 with blocks of 16 tokens).  It answers False whenever it
-cannot be sure, and the caller then runs vLLM's own code.
+called for ``request`` with ``num_new_tokens``, ``num_lookahead_tokens`` and
+every other argument at its default (``reserved_blocks`` aside), would return
+``empty_kv_cache_blocks`` and change nothing: no block to allocate, free, or
+cache.  That is the case of a running request in a decode step that stays
+inside the blocks it holds: a plain decode (15 steps out of 16 with blocks of
+16 tokens), or with spec decoding a step whose new tokens (the last sampled
+one and the drafts to verify) and lookahead slots all fit in the blocks
+already allocated, and that completes no block of committed tokens.  It
+answers False whenever it cannot be sure, and the caller then runs vLLM's own
+code.
 
 Why each condition (read off vLLM 0.33.0's code, pinned by the patch's guard):
 
@@ -22,13 +26,18 @@ Why each condition (read off vLLM 0.33.0's code, pinned by the patch's guard):
 - the request is RUNNING (no watermark) and already holds a block list
   (``req_to_blocks`` is a defaultdict: a missing entry would be created) and
   no pending partial-hit copy-on-write;
-- ``cdiv(min(computed + new, max_model_len), block_size)`` blocks are
-  already held (``get_num_blocks_to_allocate`` is 0, ``allocate_new_blocks``
-  adds none), and ``reserved_blocks`` does not exceed the free blocks (else
-  stock returns None);
+- ``cdiv(min(computed + new + lookahead, max_model_len), block_size)``
+  blocks are already held (``get_num_blocks_to_allocate`` is 0,
+  ``allocate_new_blocks`` adds none), and ``reserved_blocks`` does not exceed
+  the free blocks (else stock returns None); ``num_lookahead_tokens`` is an
+  int >= 0 (vLLM's scheduler passes its ``num_lookahead_tokens``: 0 without
+  spec decoding), and only this count sees it;
 - with caching on, ``block_size == hash_block_size`` (no partial-tail
   caching) and the full blocks of cacheable tokens are all cached already
-  (``cache_blocks`` returns early).  vLLM 0.32.0 counts every full block of
+  (``cache_blocks`` returns early): the tokens to cache are
+  ``min(computed + new, request.num_tokens)`` (drafts and lookahead slots
+  are never cached; a step whose accepted tokens completed a block does
+  cache it, and goes to vLLM).  vLLM 0.32.0 counts every full block of
   cacheable tokens, 0.33.0 only those whose hashes exist (never more): the
   0.32.0 count is used for both, so a yes is right for either.
 
@@ -49,7 +58,8 @@ from typing import Any
 
 from fastbatch._reference._common import Counters
 
-_COUNTERS = Counters(("noop_allocations", "stock_allocations"))
+_COUNTERS = Counters(("noop_allocations", "noop_lookahead_allocations",
+                      "stock_allocations"))
 stats, reset_stats = _COUNTERS.stats, _COUNTERS.reset_stats
 
 # The compiled piece reads counts as one-digit ints (CPython's compact ints).
@@ -89,7 +99,7 @@ def _is_index(value: Any) -> bool:
 
 
 def _is_noop(manager: Any, request: Any, num_new_tokens: Any, reserved_blocks: Any,
-             kinds: tuple[Any, ...]) -> bool:
+             num_lookahead_tokens: int, kinds: tuple[Any, ...]) -> bool:
     (manager_type, coordinator_types, single_type, pool_type, request_type, spec_type,
      running) = kinds
     if type(manager) is not manager_type:
@@ -120,7 +130,8 @@ def _is_noop(manager: Any, request: Any, num_new_tokens: Any, reserved_blocks: A
     if num_new_tokens <= 0 or block_size <= 0 or num_computed < 0:
         return False
     total_computed = min(num_computed, max_model_len)
-    need_slots = min(total_computed + num_new_tokens, max_model_len)
+    # The lookahead slots count towards the blocks needed, not the tokens to cache.
+    need_slots = min(total_computed + num_new_tokens + num_lookahead_tokens, max_model_len)
     if need_slots < 0:
         return False
     # vLLM's cdiv, for a count >= 0 and a block size > 0.
@@ -164,6 +175,17 @@ def _is_int_zero(value: Any) -> bool:
     return type(value) is int and value == 0
 
 
+def _is_lookahead(value: Any) -> bool:
+    """An exact int the compiled piece reads as a lookahead count (0 to 2**30 - 1)."""
+    return _is_index(value) and value >= 0
+
+
+def _count_noop(num_lookahead_tokens: int) -> None:
+    _COUNTERS.values["noop_allocations"] += 1
+    if num_lookahead_tokens:
+        _COUNTERS.values["noop_lookahead_allocations"] += 1
+
+
 def allocate_slots(self: Any, request: Any, num_new_tokens: int,
                    num_new_computed_tokens: int = 0, new_computed_blocks: Any = None,
                    num_lookahead_tokens: int = 0, num_external_computed_tokens: int = 0,
@@ -174,8 +196,9 @@ def allocate_slots(self: Any, request: Any, num_new_tokens: int,
     """fastbatch's ``KVCacheManager.allocate_slots`` (vLLM's signature and defaults).
 
     ``self.empty_kv_cache_blocks`` where vLLM's method would return it and
-    change nothing: every argument but ``num_new_tokens`` and
-    ``reserved_blocks`` at its default (``has_scheduled_reqs`` and
+    change nothing: every argument but ``num_new_tokens``,
+    ``num_lookahead_tokens`` (an int >= 0) and ``reserved_blocks`` at its
+    default (``has_scheduled_reqs`` and
     ``skip_zeroing_group_ids`` do not matter for a running request without new
     computed blocks) and ``allocate_slots_is_noop``; vLLM's method (``bind``)
     with the same arguments otherwise.
@@ -185,12 +208,13 @@ def allocate_slots(self: Any, request: Any, num_new_tokens: int,
                            "(fastbatch.patches.allocate_slots.bind() does it)")
     stock, kinds = _BOUND
     if (new_computed_blocks is None and _is_int_zero(num_new_computed_tokens)
-            and _is_int_zero(num_lookahead_tokens)
+            and _is_lookahead(num_lookahead_tokens)
             and _is_int_zero(num_external_computed_tokens)
             and _is_int_zero(num_encoder_tokens) and delay_cache_blocks is False
             and full_sequence_must_fit is False
-            and _is_noop(self, request, num_new_tokens, reserved_blocks, kinds)):
-        _COUNTERS.values["noop_allocations"] += 1
+            and _is_noop(self, request, num_new_tokens, reserved_blocks, num_lookahead_tokens,
+                         kinds)):
+        _count_noop(num_lookahead_tokens)
         return self.empty_kv_cache_blocks
     _COUNTERS.values["stock_allocations"] += 1
     return stock(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
@@ -200,17 +224,25 @@ def allocate_slots(self: Any, request: Any, num_new_tokens: int,
 
 
 def allocate_slots_is_noop(manager: Any, request: Any, num_new_tokens: Any,
-                           reserved_blocks: Any, kinds: tuple[Any, ...]) -> bool:
+                           reserved_blocks: Any, kinds: tuple[Any, ...],
+                           num_lookahead_tokens: Any = 0) -> bool:
     """True if vLLM's ``manager.allocate_slots(request, num_new_tokens,
-    reserved_blocks=reserved_blocks)`` would return ``empty_kv_cache_blocks``
-    and change no state.
+    reserved_blocks=reserved_blocks, num_lookahead_tokens=num_lookahead_tokens)``
+    would return ``empty_kv_cache_blocks`` and change no state.
+    ``num_lookahead_tokens`` must be an exact int from 0 to 2**30 - 1, as
+    vLLM's scheduler passes (else the answer is False).
 
     ``kinds`` is ``(KVCacheManager, (coordinator types...),
     FullAttentionManager, BlockPool, Request, FullAttentionSpec,
     RequestStatus.RUNNING)`` of the vLLM in use.  Counted as
     ``allocate_slots`` counts its calls.
     """
-    noop = _is_noop(manager, request, num_new_tokens, reserved_blocks, _unpack_kinds(kinds))
-    _COUNTERS.values["noop_allocations" if noop
-                     else "stock_allocations"] += 1
+    kinds = _unpack_kinds(kinds)
+    noop = (_is_lookahead(num_lookahead_tokens)
+            and _is_noop(manager, request, num_new_tokens, reserved_blocks,
+                         num_lookahead_tokens, kinds))
+    if noop:
+        _count_noop(num_lookahead_tokens)
+    else:
+        _COUNTERS.values["stock_allocations"] += 1
     return noop

@@ -8,10 +8,14 @@ the method itself, vLLM's signature and defaults): it answers at once, with
 vLLM's own ``empty_kv_cache_blocks``, when it finds that vLLM's method would
 return exactly that and change nothing (the decision of
 ``fastbatch.allocate_slots_is_noop``): a RUNNING request, one full-attention
-KV group, every other argument at its default, no new block needed, nothing
-new to cache.  That is the plain decode step, 15 steps out of 16 with blocks
-of 16 tokens.  Every other call runs vLLM's method, unchanged, with the same
-arguments.
+KV group, every other argument at its default (``num_lookahead_tokens``
+aside: any int >= 0), no new block needed for the new tokens and the
+lookahead slots, nothing new to cache.  That is the plain decode step, 15
+steps out of 16 with blocks of 16 tokens, and with spec decoding the step
+whose new tokens (the last sampled one and the drafts to verify) and
+lookahead slots fit in the blocks already held and whose committed tokens
+complete no block.  Every other call runs vLLM's method, unchanged, with the
+same arguments.
 
 Why: in a decode step stock walks the manager, the coordinator and the
 single-type manager (remove skipped blocks, count blocks to allocate,
@@ -34,7 +38,8 @@ free count, ``Request.num_tokens`` and the full-attention spec's
 the fields they return); the activation check also refuses when the coordinator or the
 full-attention manager class overrides any of those, and runs stock and
 fastbatch side by side on two small real KV-cache managers (prefix caching
-on and off, across block boundaries).
+on and off, across block boundaries, plain decode steps and spec decode
+steps with drafts and lookahead slots).
 
 Shadow check (``FASTBATCH_VERIFY``): only the calls that fastbatch answers
 itself are checked (``Shadow.check``: the pieces' ``stock_allocations``
@@ -216,38 +221,60 @@ def _small_request(request_id: str) -> Any:
                    arrival_time=0.0, block_hasher=get_request_block_hasher(4, sha256))
 
 
+def _side_by_side(method: Any, replacement: Any, enable_caching: bool,
+                  lookahead: int) -> str | None:
+    """Stock and fastbatch on two small real KV-cache managers, one request
+    each, twelve steps: a prefill, then decode steps across block boundaries
+    (with ``lookahead``: spec decode steps, 0 to 2 drafts verified, some
+    rejected, ``lookahead`` slots past them), a step with more blocks
+    reserved than free.  Why they differ, or None."""
+    from vllm.v1.request import RequestStatus
+
+    managers = (_small_manager(enable_caching), _small_manager(enable_caching))
+    requests = (_small_request("a"), _small_request("a"))
+    for step in range(12):
+        results = []
+        sides = zip(managers, requests, (method, replacement), strict=True)
+        num_drafts = step % 3 if lookahead else 0
+        accepted = (step // 3) % (num_drafts + 1)
+        for manager, request, allocate in sides:
+            num_new = request.num_tokens - request.num_computed_tokens + num_drafts
+            reserved = 100 if step == 7 else 0
+            blocks = allocate(manager, request, num_new, reserved_blocks=reserved,
+                              num_lookahead_tokens=lookahead)
+            results.append(None if blocks is None else
+                           (blocks is manager.empty_kv_cache_blocks, blocks.get_block_ids()))
+            if blocks is not None:
+                # The drafts verified: ``accepted`` of them and one more token
+                # sampled, the rejected ones taken back from the computed count.
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens += num_new - (num_drafts - accepted)
+                request.append_output_token_ids([20 + step + i for i in range(accepted + 1)])
+        if results[0] != results[1]:
+            return (f"step {step} (lookahead {lookahead}): fastbatch returned "
+                    f"{results[1]}, vLLM {results[0]}")
+        stock_state, fast_state = (kv_manager_state(manager) for manager in managers)
+        if stock_state != fast_state:
+            return (f"step {step} (lookahead {lookahead}): KV-cache state {fast_state} "
+                    f"!= vLLM's {stock_state}")
+    return None
+
+
 def activation_check(method: Any, replacement: Any) -> str | None:
     """Why fastbatch must stay off, or None: an override on the path, or a
     difference between stock and fastbatch on two small real KV-cache managers
-    (a prefill, then decode steps across block boundaries, a step with more
-    blocks reserved than free, prefix caching on and off)."""
-    from vllm.v1.request import RequestStatus
-
+    (a prefill, then decode steps across block boundaries, plain and with
+    spec decoding's drafts and lookahead slots, a step with more blocks
+    reserved than free, prefix caching on and off)."""
     bind(method)
     overridden = overridden_methods()
     if overridden:
         return f"{', '.join(overridden)} override(s) the base method"
     for enable_caching in (True, False):
-        managers = (_small_manager(enable_caching), _small_manager(enable_caching))
-        requests = (_small_request("a"), _small_request("a"))
-        for step in range(12):
-            results = []
-            sides = zip(managers, requests, (method, replacement), strict=True)
-            for manager, request, allocate in sides:
-                num_new = request.num_tokens - request.num_computed_tokens
-                reserved = 100 if step == 7 else 0
-                blocks = allocate(manager, request, num_new, reserved_blocks=reserved)
-                results.append(None if blocks is None else
-                               (blocks is manager.empty_kv_cache_blocks, blocks.get_block_ids()))
-                if blocks is not None:
-                    request.status = RequestStatus.RUNNING
-                    request.num_computed_tokens += num_new
-                    request.append_output_token_ids(20 + step)
-            if results[0] != results[1]:
-                return f"step {step}: fastbatch returned {results[1]}, vLLM {results[0]}"
-            stock_state, fast_state = (kv_manager_state(manager) for manager in managers)
-            if stock_state != fast_state:
-                return f"step {step}: KV-cache state {fast_state} != vLLM's {stock_state}"
+        for lookahead in (0, 2):
+            problem = _side_by_side(method, replacement, enable_caching, lookahead)
+            if problem is not None:
+                return problem
     return None
 
 
@@ -364,7 +391,9 @@ def _for_reproducer(inputs: dict[str, Any]) -> dict[str, Any]:
     ``_rebuild``): the KV-cache config and the manager's sizes, the request's
     tokens, counters and status, its blocks, cached blocks and the free block
     count as they were before the call, and the call's arguments
-    (``new_computed_blocks`` as block ids)."""
+    (``new_computed_blocks`` as block ids; ``num_lookahead_tokens`` among
+    them).  ``use_eagle`` too: with EAGLE's block drop, caching keeps other
+    blocks."""
     manager, request = inputs["manager"], inputs["request"]
     coordinator = manager.coordinator
     groups, free = inputs["before"]
@@ -376,6 +405,7 @@ def _for_reproducer(inputs: dict[str, Any]) -> dict[str, Any]:
         "scheduler_block_size": coordinator.scheduler_block_size,
         "hash_block_size": manager.block_pool.hash_block_size,
         "enable_caching": manager.enable_caching,
+        "use_eagle": manager.use_eagle,
         "num_reprefillable_tokens": coordinator.num_reprefillable_tokens,
         "watermark_blocks": manager.watermark_blocks,
         "request": {
@@ -408,6 +438,7 @@ def _rebuild(inputs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
                              scheduler_block_size=inputs["scheduler_block_size"],
                              hash_block_size=inputs["hash_block_size"],
                              enable_caching=inputs["enable_caching"],
+                             use_eagle=inputs.get("use_eagle", False),
                              num_prefill_lookahead=reprefillable + 1 if reprefillable else 0)
     manager.watermark_blocks = inputs["watermark_blocks"]
     recorded = inputs["request"]
