@@ -427,8 +427,8 @@ def test_spec_decode_every_call_checked_without_divergence(generate):
     checked = generate(fastbatch=True, workload="spec", verify="1")
 
     (worker,) = checked["workers"]
-    # every piece that had work here (the scheduler's fast paths leave steps
-    # with drafts to vLLM, so allocate_slots answers nothing itself)
+    # every piece that had work here (update_from_output leaves requests with
+    # drafts to vLLM's loop)
     worked = _worked(worker["stats"])
     assert set(SPEC_PIECES) <= worked
     assert_checked_without_divergence(worker, *sorted(worked))
@@ -573,3 +573,226 @@ def test_verify_catches_a_planted_bug_in_every_piece(generate, workload):
     assert len(errors) == len(pieces) == len(planted["reproducers"])
     for name in pieces:
         assert sum(f"piece {name!r}" in error for error in errors) == 1, name
+
+
+# Logprobs ---------------------------------------------------------------------
+#
+# FASTBATCH=1 against stock, every returned value compared exactly: token ids,
+# logprob floats bit for bit (float.hex), ranks, decoded tokens, cumulative
+# logprobs, texts.  In process: tools/vllm_logprobs.py, one engine per run and
+# every request configuration in one batch (logprobs 0, 1, 5 and -1, flat and
+# list containers, greedy and random with n > 1, penalties, stop strings,
+# prompt logprobs, detokenize off), on the byte-level tokenizer (vocabulary
+# 512: most lone tokens decode to U+FFFD, vLLM corrects them with context) and
+# on a 4096-token English BPE.  Served: tools/vllm_serve_logprobs.py, the
+# OpenAI server read by the openai client.
+
+LOGPROBS_VOCABS = ("byte-level", "bpe-4096")
+
+
+@pytest.fixture(scope="module")
+def bpe_model(tmp_path_factory):
+    """The tiny Llama with a realistic tokenizer: a 4096-token BPE trained on
+    English text (tools/tiny_model.py --vocab 4096)."""
+    path = tmp_path_factory.mktemp("tiny-llama-bpe")
+    subprocess.run([sys.executable, str(TOOLS / "tiny_model.py"), str(path), "--vocab", "4096"],
+                   check=True, capture_output=True)
+    return path
+
+
+def _logprobs_env(fastbatch: bool, workers: bool) -> dict[str, str]:
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith("FASTBATCH")}
+    env.update(VLLM_TARGET_DEVICE="cpu", OMP_NUM_THREADS="1", VLLM_USE_V2_MODEL_RUNNER="0",
+               FASTBATCH_E2E_FORCE_ASYNC="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="1" if workers else "0")
+    if fastbatch:
+        env["FASTBATCH"] = "1"
+    return env
+
+
+@pytest.fixture(scope="module")
+def logprobs_run(tiny_model, bpe_model, tmp_path_factory):
+    """tools/vllm_logprobs.py in a fresh process, async scheduling on;
+    results are cached per setting."""
+    cache = {}
+
+    def run(fastbatch: bool, vocab: str):
+        key = (fastbatch, vocab)
+        if key not in cache:
+            model = tiny_model if vocab == "byte-level" else bpe_model
+            out = tmp_path_factory.mktemp("logprobs") / "result.json"
+            command = [sys.executable, str(TOOLS / "vllm_logprobs.py"), "--model", str(model),
+                       "--out", str(out), "--async-scheduling"]
+            returncode, output = _run_in_own_process_group(
+                command, _logprobs_env(fastbatch, workers=False))
+            assert returncode == 0, output[-5000:]
+            cache[key] = json.loads(out.read_text())
+            cache[key]["log"] = output.splitlines()
+        return cache[key]
+
+    return run
+
+
+def _first_difference(ours, stock, path="") -> str | None:
+    """Where two reports first differ (a path and both values), or None.
+
+    The reports are megabytes (whole vocabularies): pytest's own diff of
+    them would be slow and unreadable."""
+    if type(ours) is not type(stock):
+        return f"{path}: {type(ours).__name__} {ours!r:.200} != stock's {stock!r:.200}"
+    if isinstance(ours, dict):
+        if list(ours) != list(stock):  # the same keys, in the same order
+            return f"{path}: keys {list(ours)!r:.300} != stock's {list(stock)!r:.300}"
+        for key in ours:
+            found = _first_difference(ours[key], stock[key], f"{path}[{key!r}]")
+            if found:
+                return found
+        return None
+    if isinstance(ours, list):
+        for index, (mine, theirs) in enumerate(zip(ours, stock, strict=False)):
+            found = _first_difference(mine, theirs, f"{path}[{index}]")
+            if found:
+                return found
+        if len(ours) != len(stock):
+            return f"{path}: {len(ours)} items != stock's {len(stock)}"
+        return None
+    return None if ours == stock else f"{path}: {ours!r:.200} != stock's {stock!r:.200}"
+
+
+@pytest.mark.parametrize("vocab", LOGPROBS_VOCABS)
+def test_logprobs_are_stock_bit_for_bit(logprobs_run, vocab):
+    """Every logprob setting in one engine, async scheduling on: FASTBATCH=1
+    returns exactly stock's token ids, texts, logprobs (bit for bit), ranks,
+    decoded tokens and cumulative logprobs, in the same containers."""
+    stock = logprobs_run(fastbatch=False, vocab=vocab)
+    ours = logprobs_run(fastbatch=True, vocab=vocab)
+
+    assert ours["probe"] == stock["probe"]  # where the stop strings came from
+    difference = _first_difference(ours["requests"], stock["requests"])
+    assert difference is None, difference
+
+    # fastbatch really ran, every piece installed (one process: the runner's,
+    # the scheduler's and the output processing's pieces all act here)...
+    assert stock["status"]["patches"] == dict.fromkeys(PATCH_NAMES, False)
+    assert ours["status"]["patches"] == dict.fromkeys(PATCH_NAMES, True)
+    assert [line for line in fastbatch_lines(ours, "model runner in use")
+            if line.endswith(V1_ALL_ACT)] == fastbatch_lines(ours, "model runner in use") != []
+    assert fastbatch_lines(stock, "fastbatch") == []
+    worked = _worked(ours["status"]["stats"])
+    assert {"update_from_output", "async_output_token_ids", "penalty_output_tokens",
+            "get_output"} <= worked
+    if "update_sample_logprobs" in PATCH_NAMES:  # the logprobs piece took requests
+        assert "update_sample_logprobs" in worked
+
+    # ...on requests that cover what they should.
+    requests = {request["label"]: request for request in stock["requests"]}
+    vocab_size = stock["vocab_size"]
+    for flat, container in ((False, "list"), (True, "FlatLogprobs")):
+        tag = "flat" if flat else "list"
+        for label in (f"greedy-0-{tag}", f"random-n2-5-{tag}", f"full-vocab-{tag}",
+                      f"stop-n3-penalties-{tag}"):
+            for completion in requests[label]["outputs"]:
+                positions = completion["logprobs"]["positions"]
+                assert completion["logprobs"]["container"] == container
+                assert len(positions) == len(completion["token_ids"]) > 0
+                assert float.fromhex(completion["cumulative_logprob"]) < 0
+        k = {"greedy-0": 0, "greedy-1": 1, "greedy-5": 5}
+        for name, logprobs in k.items():
+            for position in requests[f"{name}-{tag}"]["outputs"][0]["logprobs"]["positions"]:
+                assert 1 <= len(position) <= logprobs + 1
+        full = requests[f"full-vocab-{tag}"]["outputs"][0]["logprobs"]
+        assert all(len(position) == vocab_size for position in full["positions"])
+        if flat:  # every token of the vocabulary, after the sampled one
+            assert {end - start for start, end in zip(
+                full["flat"]["start_indices"], full["flat"]["end_indices"], strict=True)
+            } == {vocab_size + 1}
+        # the prompt's first position has none (a flat container: an empty one)
+        prompt_logprobs = requests[f"prompt-logprobs-{tag}"]["prompt_logprobs"]["positions"]
+        assert prompt_logprobs[0] == ([] if flat else None) and len(prompt_logprobs) > 1
+        no_text = requests[f"no-detokenize-{tag}"]["outputs"][0]
+        assert no_text["text"] == "" and no_text["logprobs"]["positions"][0][0][3] is None
+    assert requests["greedy-1-list"]["types"] == [
+        "decoded:str", "entry:Logprob", "logprob:float", "position:dict", "rank:int",
+        "token:int"]
+    random = requests["random-n2-5-flat"]["outputs"]
+    assert len(random) == 2 and random[0]["token_ids"] != random[1]["token_ids"]
+    assert len(requests["stop-n3-penalties-list"]["outputs"]) == 3
+    stopped = [label for label, request in requests.items()
+               if request["params"].get("stop") and request["params"].get("logprobs") is not None
+               and any(isinstance(c["stop_reason"], str) for c in request["outputs"])]
+    assert len(stopped) >= 4, stopped
+    decode = stock["decode_stats"]
+    if vocab == "byte-level":  # vLLM's U+FFFD correction ran, and gave "" too
+        assert vocab_size == 512
+        assert decode["corrected"] > decode["entries"] // 10 and decode["empty"] > 0
+    else:  # real text: few lone tokens end in U+FFFD
+        assert vocab_size == 4096
+        assert 0 < decode["lone_ends_in_replacement"] < decode["entries"] // 10
+
+
+def test_served_logprobs_are_stock(tiny_model, tmp_path_factory):
+    """The OpenAI server (worker processes, async scheduling on), stock and
+    with FASTBATCH=1 one after the other, read by the openai client:
+    completions with logprobs and chat completions with top_logprobs (the
+    whole vocabulary once), penalties, stop strings, echo, streaming: the same
+    responses, ids and timestamps aside; fastbatch really ran in the worker."""
+    runs = {}
+    for fastbatch in (False, True):
+        out = tmp_path_factory.mktemp("serve-logprobs") / "result.json"
+        command = [sys.executable, str(TOOLS / "vllm_serve_logprobs.py"), "--model",
+                   str(tiny_model), "--out", str(out), "--async-scheduling"]
+        returncode, output = _run_in_own_process_group(
+            command, _logprobs_env(fastbatch, workers=True))
+        assert returncode == 0, output[-5000:]
+        runs[fastbatch] = json.loads(out.read_text())
+    stock, ours = runs[False], runs[True]
+
+    difference = _first_difference(ours["responses"], stock["responses"])
+    assert difference is None, difference
+
+    # fastbatch ran in the worker process, with async scheduling on
+    (line,) = fastbatch_lines(ours, "model runner in use")
+    assert line.startswith("(Worker pid=") and line.endswith(V1_ALL_ACT)
+    assert fastbatch_lines(stock, "fastbatch") == []
+
+    responses = stock["responses"]
+    for label, response in responses.items():
+        if label.startswith("completion-") and "choices" in response:
+            (choice,) = response["choices"]
+            assert len(choice["logprobs"]["token_logprobs"]) >= 1, label
+        elif label.startswith("chat-") and "choices" in response:
+            (choice,) = response["choices"]
+            assert len(choice["logprobs"]["content"]) >= 1, label
+    assert responses["completion-stop"]["choices"][0]["finish_reason"] == "stop"
+    assert responses["chat-top-2-stop"]["choices"][0]["finish_reason"] == "stop"
+    assert all(len(position["top_logprobs"]) == 512 for position in
+               responses["chat-top-full-vocab"]["choices"][0]["logprobs"]["content"])
+    assert responses["completion-echo-logprobs-2"]["choices"][0]["logprobs"][
+        "token_logprobs"][0] is None  # the prompt's first token
+    assert len(responses["completion-stream"]["tokens"]) == 16
+    assert len(responses["chat-stream"]["logprobs"]) == 16
+
+
+# What the API server process of `vllm serve` runs: vLLM's argument parser
+# (which loads the general plugins), then the piece's target, as it stands.
+API_SERVER_FRONT_END = """
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "unused"])
+from vllm.v1.engine.logprobs import LogprobsProcessor
+print("installed:", getattr(LogprobsProcessor._update_sample_logprobs, "__fastbatch__", False))
+"""
+
+
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_the_api_server_process_installs_the_output_processor_piece(switch):
+    """Under `vllm serve` the output processor (update_sample_logprobs) runs
+    in the API server process, which loads the plugins while vLLM builds its
+    argument parser, before vLLM configures its logging (so that process
+    shows no "replaced" line): the piece stands there with FASTBATCH=1, and
+    not without."""
+    env = _logprobs_env(fastbatch=switch == "1", workers=False)
+    result = subprocess.run([sys.executable, "-c", API_SERVER_FRONT_END], env=env,
+                            capture_output=True, text=True, timeout=300, check=True)
+    assert f"installed: {switch == '1'}" in result.stdout.splitlines()

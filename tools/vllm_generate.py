@@ -13,14 +13,15 @@ times every function of the step (benchmarks/step_profile.py), both with the
 timers of tools/function_timers.py.
 
 The prompts mix sampling settings that need the output history (repetition,
-presence and frequency penalties, bad words) with plain greedy ones
-(``--settings mixed``), or use penalties only (``--settings penalties``), or
-are all plain greedy (``--settings greedy``) or all with a repetition penalty
-(``--settings repetition``) or all greedy with logprobs (``--settings
-logprobs=N``, N = 0, 1 or 5: the sampled token's logprob and the top N;
-``logprobs`` is ``logprobs=1``); with logprobs, the report has per output
-``logprobs`` (per position, ``[token id, logprob, rank, decoded_token]`` of
-each entry vLLM returned, floats exact) and ``cumulative_logprobs``;
+presence and frequency penalties, bad words), greedy ones with ``logprobs=2``
+and plain greedy ones (``--settings mixed``), or use penalties only
+(``--settings penalties``), or are all plain greedy (``--settings greedy``) or
+all with a repetition penalty (``--settings repetition``) or all greedy with
+logprobs (``--settings logprobs=N``, N = 0, 1 or 5: the sampled token's
+logprob and the top N; ``logprobs`` is ``logprobs=1``); with logprobs, the
+report has per output ``logprobs`` (per position, ``[token id, logprob, rank,
+decoded_token]`` of each entry vLLM returned, floats exact) and
+``cumulative_logprobs``;
 there are more prompts than ``max_num_seqs`` and their ``max_tokens`` differ
 (unless one fixed ``--max-tokens`` is given without ``--varied``), so
 requests join and leave mid-flight and rows are remapped between steps.
@@ -106,6 +107,7 @@ def _settings(kind: str, bad_words: list[str]) -> list[tuple[str, dict]]:
         ("bad_words", {"bad_words": bad_words}),
         ("all", {"repetition_penalty": 1.2, "presence_penalty": 0.5,
                  "frequency_penalty": 0.5, "bad_words": bad_words}),
+        ("logprobs", {"logprobs": 2}),
         ("plain", {}),
     ]
 
@@ -201,7 +203,7 @@ def main() -> None:
                         choices=("mixed", "penalties", "greedy", "repetition",
                                  *LOGPROBS_SETTINGS),
                         default="mixed",
-                        help="mixed: penalties, bad words and plain greedy; penalties: "
+                        help="mixed: penalties, bad words, logprobs=2 and plain greedy; penalties: "
                              "repetition/presence/frequency penalties on every prompt; "
                              "greedy: plain greedy; repetition: a repetition penalty on "
                              "every prompt; logprobs=N (N = 0, 1, 5): greedy with "
