@@ -794,5 +794,6 @@ def test_the_api_server_process_installs_the_output_processor_piece(switch):
     not without."""
     env = _logprobs_env(fastbatch=switch == "1", workers=False)
     result = subprocess.run([sys.executable, "-c", API_SERVER_FRONT_END], env=env,
-                            capture_output=True, text=True, timeout=300, check=True)
+                            cwd=OUTSIDE_THE_CHECKOUT, capture_output=True, text=True,
+                            timeout=300, check=True)
     assert f"installed: {switch == '1'}" in result.stdout.splitlines()
