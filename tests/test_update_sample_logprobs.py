@@ -279,6 +279,18 @@ def test_bad_input_raises_before_any_change(implementation, name, processor, lis
     assert repr(vars(processor)) == before
 
 
+@pytest.mark.parametrize("argument", ["texts", "kinds"])
+def test_a_missing_table_or_kinds_is_a_type_error(implementation, argument):
+    processor = VllmProcessor(TEXTS, False, 1)
+    arguments = {"texts": {}, "kinds": KINDS, argument: None}
+    lists = (np.array([[65, 66]], dtype=np.int32), np.zeros((1, 2), dtype=np.float32),
+             np.array([1]), None)
+    with pytest.raises(TypeError):
+        implementation.update_sample_logprobs(processor, lists, arguments["texts"], convert,
+                                              arguments["kinds"])
+    assert processor.logprobs == [] and processor.cumulative_logprob == 0.0
+
+
 def test_a_correction_that_raises_writes_nothing(implementation):
     class Failing(VllmProcessor):
         def _correct_decoded_token(self, token_id, context):

@@ -70,8 +70,7 @@ ctypedef struct Array:
     Py_ssize_t cols
     Py_ssize_t row_stride     # in bytes
     Py_ssize_t col_stride     # in bytes
-    char kind                 # b"i" (int) or b"f" (float)
-    Py_ssize_t itemsize       # 4 or 8
+    Py_ssize_t itemsize       # 4 or 8: int32/float32 or int64/float64
 
 
 cdef int _view(object source, Py_buffer* buffer, Array* array, int ndim, char kind,
@@ -96,7 +95,6 @@ cdef int _view(object source, Py_buffer* buffer, Array* array, int ndim, char ki
         array.row_stride = buffer.strides[0]
         array.cols = buffer.shape[1] if ndim == 2 else 1
         array.col_stride = buffer.strides[1] if ndim == 2 else 0
-        array.kind = kind
         array.itemsize = buffer.itemsize
         return 0
     found, form = buffer.ndim, buffer.format.decode()
@@ -186,7 +184,8 @@ cdef list _context(object processor, object container, const Array* token_ids,
     return context
 
 
-def update_sample_logprobs(processor, logprobs_lists, dict texts, convert, tuple kinds):
+def update_sample_logprobs(processor, logprobs_lists, dict texts not None, convert,
+                           tuple kinds not None):
     """Append the positions of ``logprobs_lists`` to ``processor.logprobs``
     and their sampled logprobs to ``processor.cumulative_logprob``.
 
