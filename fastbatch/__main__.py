@@ -18,7 +18,8 @@ from typing import Any
 RUNNER_MEANING = {
     "v1": "fastbatch's pieces can act (they replace code of the V1 runner)",
     "v2": ("fastbatch's runner pieces would stay idle: they serve the V1 runner; "
-           "VLLM_USE_V2_MODEL_RUNNER=0 selects V1 (the scheduler pieces act under both)"),
+           "VLLM_USE_V2_MODEL_RUNNER=0 selects V1 (the scheduler's, the output processor's "
+           "and the API server's pieces act under both)"),
 }
 
 
@@ -102,7 +103,7 @@ def main() -> int:
     print(f"  {RUNNER_MEANING.get(runner, 'fastbatch cannot tell whether its pieces act')}")
     print("  (a feature Model Runner V2 lacks also selects V1: see the README)")
 
-    if runner == "v2":  # only what Model Runner V2 uses too: the scheduler's and output processor's
+    if runner == "v2":  # only what Model Runner V2 uses too: scheduler, output processor, API
         acting = [piece for piece in acting if piece.main.acts_under_v2]
     if acting:
         print("verdict: with FASTBATCH=1 these pieces would act: "

@@ -203,7 +203,8 @@ def runner_report(worker: Any) -> tuple[int, str]:
                 "serve the V1 runner and stay idle here; VLLM_USE_V2_MODEL_RUNNER=0 selects V1")
         if acting:
             line += (f"; {', '.join(acting)} still act{'s' if len(acting) == 1 else ''} "
-                     "(vLLM's scheduler and output processor are the same under both runners)")
+                     "(vLLM's scheduler, output processor and API server are the same under "
+                     "both runners)")
         return logging.WARNING, line
     if kind == "unknown":
         return logging.WARNING, (

@@ -775,25 +775,28 @@ def test_served_logprobs_are_stock(tiny_model, tmp_path_factory):
 
 
 # What the API server process of `vllm serve` runs: vLLM's argument parser
-# (which loads the general plugins), then the piece's target, as it stands.
+# (which loads the general plugins), then the pieces' targets, as they stand.
 API_SERVER_FRONT_END = """
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "unused"])
+from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.v1.engine.logprobs import LogprobsProcessor
-print("installed:", getattr(LogprobsProcessor._update_sample_logprobs, "__fastbatch__", False))
+print("installed:", getattr(LogprobsProcessor._update_sample_logprobs, "__fastbatch__", False),
+      getattr(OpenAIServingChat._create_chat_logprobs, "__fastbatch__", False))
 """
 
 
 @pytest.mark.parametrize("switch", ["1", "0"])
-def test_the_api_server_process_installs_the_output_processor_piece(switch):
-    """Under `vllm serve` the output processor (update_sample_logprobs) runs
-    in the API server process, which loads the plugins while vLLM builds its
-    argument parser, before vLLM configures its logging (so that process
-    shows no "replaced" line): the piece stands there with FASTBATCH=1, and
-    not without."""
+def test_the_api_server_process_installs_the_logprobs_pieces(switch):
+    """Under `vllm serve` the output processor (update_sample_logprobs) and
+    the chat API (chat_logprobs) run in the API server process, which loads
+    the plugins while vLLM builds its argument parser, before vLLM configures
+    its logging (so that process shows no "replaced" line): the pieces stand
+    there with FASTBATCH=1, and not without."""
     env = _logprobs_env(fastbatch=switch == "1", workers=False)
     result = subprocess.run([sys.executable, "-c", API_SERVER_FRONT_END], env=env,
                             cwd=OUTSIDE_THE_CHECKOUT, capture_output=True, text=True,
                             timeout=300, check=True)
-    assert f"installed: {switch == '1'}" in result.stdout.splitlines()
+    on = switch == "1"
+    assert f"installed: {on} {on}" in result.stdout.splitlines()

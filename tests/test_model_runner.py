@@ -160,8 +160,8 @@ def stock(monkeypatch):
     (True, "v2", "fastbatch: Model Runner V2 in use (SimpleNamespace): fastbatch's runner "
                  "pieces serve the V1 runner and stay idle here; "
                  "VLLM_USE_V2_MODEL_RUNNER=0 selects V1; "
-                 f"{', '.join(V2_PIECES)} still act (vLLM's scheduler and output "
-                 "processor are the same under both runners)"),
+                 f"{', '.join(V2_PIECES)} still act (vLLM's scheduler, output "
+                 "processor and API server are the same under both runners)"),
     (False, "unknown", "fastbatch: this worker's model runner (SimpleNamespace) is neither "
                        "vLLM's V1 runner nor Model Runner V2"),
 ])

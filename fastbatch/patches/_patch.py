@@ -76,8 +76,9 @@ class Patch:
     whose own, unverified replacement this one relies on (it is applied only
     after that one).  ``versions``: the accepted releases, by default the
     generated ones of the target.  ``acts_under_v2``: the target is the
-    scheduler's (``vllm.v1.core``) or the engine's (``vllm.v1.engine``: the
-    output processor), code that Model Runner V2 runs too.
+    scheduler's (``vllm.v1.core``), the engine's (``vllm.v1.engine``: the
+    output processor) or the API server's (``vllm.entrypoints``), code that
+    Model Runner V2 runs too.
     ``name`` is the piece's (set by ``fastbatch.registry``).
     """
 
@@ -101,7 +102,8 @@ class Patch:
         self.shadow = shadow
         self.needs_async_scheduling = needs_async_scheduling
         self.requires = requires
-        self.acts_under_v2 = self.module.startswith(("vllm.v1.core.", "vllm.v1.engine."))
+        self.acts_under_v2 = self.module.startswith(
+            ("vllm.v1.core.", "vllm.v1.engine.", "vllm.entrypoints."))
         # the patches of the same piece (set by fastbatch.registry): after a
         # FASTBATCH_VERIFY divergence in any of them, all run vLLM's code
         self.siblings: tuple[Patch, ...] = (self,)

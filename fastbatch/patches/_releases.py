@@ -19,6 +19,9 @@ PUBLISHED: dict[str, tuple[str, ...]] = {
 }
 
 RELEASES: dict[str, tuple[str, ...]] = {
+    "vllm.entrypoints.openai.chat_completion.serving.OpenAIServingChat._create_chat_logprobs": (
+        "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+    ),
     "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots": (
         "0.32.0", "0.33.0",
     ),
