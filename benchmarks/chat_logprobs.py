@@ -13,8 +13,9 @@ API server's: the engine, its caches and the outputs held), vLLM's
 build the ``logprobs`` of every completion (one call per completion, as a
 non-streamed ``/v1/chat/completions`` response does), for each
 ``top_logprobs``; ``--rounds`` rounds each way, alternating, the garbage
-collector on as in a server (``--gc-off``: off, to see its share).  Reported: microseconds per generated token,
-medians (and min-max) over the rounds.  The two must build identical objects
+collector on as in a server (``--gc-off``: off, to see its share).
+Reported: microseconds per generated token, medians (and min-max) over the
+rounds.  The two must build identical objects
 (type, field values with floats bit for bit, fields set, extra and private
 state, JSON), or the script exits non-zero.  Writes OUT/chat_logprobs.json
 (``_gc_off.json``).
