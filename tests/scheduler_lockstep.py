@@ -83,10 +83,13 @@ class Workload:
     # sampled token, found through cu_num_generated_tokens), "none" (None).
     logprobs_probability: float = 0.0
     runner_logprobs: tuple[str, ...] = ("rows",)
-    # Spec decoding (sync scheduling only): the scheduler's num_spec_tokens
-    # and num_lookahead_tokens (set after it is built: no draft model on the
-    # CPU), and how the fake drafter and runner answer: after each step every
-    # decoding request gets 0 to num_spec_tokens drafts, and of the drafts
+    # Spec decoding: the scheduler's num_spec_tokens and num_lookahead_tokens
+    # (set after it is built: no draft model on the CPU), and how the fake
+    # drafter and runner answer.  Sync scheduling: after each step every
+    # decoding request gets 0 to num_spec_tokens drafts (the engine's
+    # ``update_draft_token_ids``).  Async scheduling: as vLLM's engine does,
+    # the scheduler never sees the drafts; it schedules its -1 placeholders
+    # (num_spec_tokens of them), which the worker fills.  Of the drafts
     # scheduled the runner accepts all, some or none (one of
     # ``draft_acceptance`` drawn per request) and samples one token more.
     num_spec_tokens: int = 0
@@ -163,6 +166,19 @@ SPEC_WORKLOADS = (
     Workload("spec-decode-max-model-len", max_model_len=64, max_prompt=40,
              max_output=100, num_spec_tokens=3, num_lookahead_tokens=3,
              draft_acceptance=("all",)),
+    # Async scheduling: the scheduler's drafts are placeholders.
+    Workload("spec-decode-async", async_scheduling=True, max_num_seqs=24,
+             arrival_probability=0.3, abort_probability=0.0, eos_probability=0.0,
+             num_spec_tokens=3, num_lookahead_tokens=3),
+    Workload("spec-decode-async-mixed", async_scheduling=True, abort_probability=0.05,
+             num_spec_tokens=3, num_lookahead_tokens=3),
+    Workload("spec-decode-async-preemption", async_scheduling=True, num_blocks=40,
+             max_num_seqs=12, arrival_probability=0.7, max_prompt=40, max_output=160,
+             num_spec_tokens=3, num_lookahead_tokens=3),
+    Workload("spec-decode-async-small-blocks", async_scheduling=True, block_size=4,
+             num_blocks=300, max_num_batched_tokens=96, long_prefill_token_threshold=16,
+             arrival_probability=0.8, num_spec_tokens=5, num_lookahead_tokens=2,
+             draft_acceptance=("all", "some")),
 )
 
 
@@ -249,12 +265,12 @@ def make_scheduler(workload: Workload) -> Any:
         scheduler.use_v2_model_runner = True
     if workload.num_spec_tokens:
         # What the scheduler's __init__ derives from a speculative config's
-        # counts (a real one needs a draft model); async scheduling's drafts
-        # (placeholders) are not modelled.
+        # counts (a real one needs a draft model).
         from vllm.utils.math_utils import cdiv
 
-        assert not workload.async_scheduling
         scheduler.num_spec_tokens = workload.num_spec_tokens
+        if workload.async_scheduling:
+            scheduler._spec_token_placeholders = [-1] * workload.num_spec_tokens
         scheduler.num_lookahead_tokens = workload.num_lookahead_tokens
         scheduler._spec_decode_step_blocks = cdiv(
             1 + workload.num_spec_tokens + workload.num_lookahead_tokens,
@@ -515,7 +531,8 @@ class Lockstep:
         """The fake runner with spec decoding: of a request's scheduled drafts
         the first ``accepted`` (all, some or none), then one sampled token;
         never a stop token before ``min_tokens`` (the drafts are never EOS
-        nor a stop token)."""
+        nor a stop token).  Under async scheduling the drafts scheduled are
+        placeholders: the accepted ones are the worker's, drawn here."""
         rng = self.rng
         sampled: dict[str, list[int]] = {}
         drafts_of = scheduler_output.scheduled_spec_decode_tokens
@@ -528,9 +545,16 @@ class Lockstep:
             mode = rng.choice(self.workload.draft_acceptance)
             accepted = (len(drafts) if mode == "all" else 0 if mode == "none"
                         else rng.randint(0, len(drafts)))
-            tokens = drafts[:accepted]
             params = request.sampling_params
-            produced = request.num_output_tokens + len(tokens)
+            if self.workload.async_scheduling:
+                choices = [t for t in range(3, VOCAB_SIZE) if t not in params.all_stop_token_ids]
+                tokens = [rng.choice(choices) for _ in range(accepted)]
+                # the placeholders already count this step's tokens, and the
+                # previous step's while it is in flight
+                earlier = max(request.num_output_placeholders - 1 - len(drafts), 0)
+            else:
+                tokens, earlier = drafts[:accepted], 0
+            produced = request.num_output_tokens + earlier + len(tokens)
             may_stop = produced >= params.min_tokens
             if may_stop and rng.random() < self.workload.eos_probability:
                 token = EOS_TOKEN_ID
@@ -625,7 +649,7 @@ class Lockstep:
         if tamper is not None:
             tamper(self.steps, fast_result)
         self._compare("engine_core_outputs", snapshot(stock_result), snapshot(fast_result))
-        if self.workload.num_spec_tokens:
+        if self.workload.num_spec_tokens and not self.workload.async_scheduling:
             drafts = self._drafts(stock_output)
             for side in (self.stock, self.fast):  # each side its own lists
                 side.update_draft_token_ids(type(drafts)(

@@ -128,7 +128,7 @@ def test_lockstep_spec_decode_with_every_scheduler_piece(workload):
     _kernels.reset_stats()
     _reference.reset_stats()
     lockstep.Lockstep(workload, seed=8,
-                      make_fast=make_fast_with_every_scheduler_piece).run(60)
+                      make_fast=make_fast_with_every_scheduler_piece).run(STEPS_PER_WORKLOAD)
     counters = fastbatch.stats()["allocate_slots"]
     assert counters["noop_allocations"] > 0 and counters["stock_allocations"] > 0
     assert twin_piece.stats() == IDLE
