@@ -141,9 +141,9 @@ def counting_logprob_takes(monkeypatch, implementation):
     whether the runner's were found through cu_num_generated_tokens)."""
     taken = []
 
-    def take(scheduler, scheduler_output, model_runner_output, kinds, variant):
+    def take(scheduler, scheduler_output, model_runner_output, kinds, variant, drafts=False):
         result = implementation.take_decode_outputs(scheduler, scheduler_output,
-                                                    model_runner_output, kinds, variant)
+                                                    model_runner_output, kinds, variant, drafts)
         runner = model_runner_output.logprobs
         for slot in result[0] if result is not None else ():
             if type(slot) is str:
@@ -199,6 +199,93 @@ def test_lockstep_with_logprobs_and_every_scheduler_piece(monkeypatch):
     lockstep.Lockstep(workload, seed=9,
                       make_fast=make_fast_with_every_scheduler_piece).run(100)
     assert_took_logprob_requests(workload, taken)
+
+
+def counting_draft_takes(monkeypatch, implementation):
+    """``implementation``'s call, counting the requests with scheduled drafts
+    it took: all, and those with drafts rejected."""
+    counts = {"with_drafts": 0, "rejected": 0}
+
+    def take(scheduler, scheduler_output, model_runner_output, kinds, variant, drafts=False):
+        result = implementation.take_decode_outputs(scheduler, scheduler_output,
+                                                    model_runner_output, kinds, variant, drafts)
+        scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
+        for slot in result[0] if result is not None else ():
+            if type(slot) is not str and scheduled_drafts.get(slot.request_id):
+                counts["with_drafts"] += 1
+                accepted = len(slot.new_token_ids) - 1
+                counts["rejected"] += accepted < len(scheduled_drafts[slot.request_id])
+        return result
+
+    monkeypatch.setattr(fastbatch, "take_decode_outputs", take)
+    monkeypatch.setattr(fastbatch, "merge_decode_outputs", implementation.merge_decode_outputs)
+    return counts
+
+
+@pytest.mark.parametrize("workload", lockstep.SPEC_WORKLOADS, ids=lambda w: w.name)
+def test_lockstep_spec_decode_matches_stock(monkeypatch, workload):
+    """Spec decoding, sync (the drafter's drafts) and async (the scheduler's
+    placeholders): the requests with drafts are taken, the rejected drafts
+    taken back from the computed and placeholder counts, exactly."""
+    counts = counting_draft_takes(monkeypatch, _kernels)
+    _kernels.reset_stats()
+    _reference.reset_stats()
+    harness = lockstep.Lockstep(workload, seed=23, make_fast=make_fast)
+    harness.run(STEPS_PER_WORKLOAD)  # raises Divergence at the first difference
+    assert counts["with_drafts"] > 0
+    assert (counts["rejected"] > 0) == (workload.draft_acceptance != ("all",))
+    assert fastbatch.stats()["update_from_output"]["stock_outputs"] > 0
+    assert idle(_reference.stats())  # the twin never ran
+    if workload.name.endswith("preemption"):
+        assert harness.preemptions > 0
+
+
+@pytest.mark.parametrize("workload", [lockstep.SPEC_WORKLOADS[1], lockstep.SPEC_WORKLOADS[-3]],
+                         ids=lambda w: w.name)
+def test_lockstep_spec_decode_with_the_pure_python_twin(monkeypatch, workload):
+    counts = counting_draft_takes(monkeypatch, _reference)
+    _kernels.reset_stats()
+    _reference.reset_stats()
+    lockstep.Lockstep(workload, seed=7, make_fast=make_fast).run(80)
+    assert counts["with_drafts"] > 0 and counts["rejected"] > 0
+    assert idle(_kernels.stats())  # no compiled piece ran
+
+
+def test_drafts_are_left_to_vllm_with_statistics_or_several_samples():
+    """With log_stats vLLM's loop counts the drafts in the step's statistics;
+    with other than one sampled token per step the accepted count differs:
+    then requests with drafts are not taken."""
+    scheduler = lockstep.make_scheduler(lockstep.SPEC_WORKLOADS[0])
+    assert patch._takes_drafts(scheduler) is True
+    scheduler.log_stats = True
+    assert patch._takes_drafts(scheduler) is False
+    scheduler.log_stats, scheduler.num_sampled_tokens_per_step = False, 0
+    assert patch._takes_drafts(scheduler) is False
+
+
+@pytest.mark.parametrize("implementation", ["compiled", "reference"], indirect=True)
+def test_without_drafts_flag_requests_with_drafts_are_left(implementation):
+    """``drafts=False`` leaves the requests with drafts to vLLM's loop; ``True``
+    takes them (the same step, built twice from the same seed)."""
+    patch._bind()
+    taken_ids = []
+    for drafts in (False, True):
+        harness = lockstep.Lockstep(lockstep.SPEC_WORKLOADS[0], seed=3)
+        for _ in range(6):
+            harness.step()
+        scheduler = harness.stock
+        scheduler_output = scheduler.schedule()
+        runner_output = harness._runner_output(scheduler_output,
+                                               harness._sample(scheduler_output), None)
+        taken = implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
+                                                   patch._KINDS, patch._variant(scheduler),
+                                                   drafts)
+        with_drafts = set(scheduler_output.scheduled_spec_decode_tokens)
+        assert with_drafts
+        taken_ids.append(with_drafts & {slot.request_id for slot in
+                                        (taken[0] if taken is not None else ())
+                                        if type(slot) is not str})
+    assert taken_ids[0] == set() and taken_ids[1] != set()
 
 
 # Compiled vs twin on generated states of real requests over a real small KV
@@ -414,8 +501,8 @@ def _wrong_logprobs(how):
     """The compiled call, with each sample-logprobs slice it made wrong."""
     real = _kernels.take_decode_outputs
 
-    def wrong(scheduler, scheduler_output, model_runner_output, kinds, variant):
-        taken = real(scheduler, scheduler_output, model_runner_output, kinds, variant)
+    def wrong(scheduler, scheduler_output, model_runner_output, kinds, variant, drafts=False):
+        taken = real(scheduler, scheduler_output, model_runner_output, kinds, variant, drafts)
         for slot in taken[0] if taken is not None else ():
             if type(slot) is not str and slot.new_logprobs is not None:
                 ids, values, ranks, _ = slot.new_logprobs
@@ -649,8 +736,8 @@ def plant(monkeypatch, after_calls, where):
     real = _kernels.take_decode_outputs
     calls, fired = [0], []
 
-    def buggy(scheduler, scheduler_output, model_runner_output, kinds, variant):
-        taken = real(scheduler, scheduler_output, model_runner_output, kinds, variant)
+    def buggy(scheduler, scheduler_output, model_runner_output, kinds, variant, drafts=False):
+        taken = real(scheduler, scheduler_output, model_runner_output, kinds, variant, drafts)
         calls[0] += 1
         if taken is not None and calls[0] > after_calls:
             for slot in taken[0]:

@@ -1,12 +1,14 @@
 # Compiler directives are set in setup.py (one place, with a debug switch).
 """Compiled piece ``update_from_output``: the plain decodes of vLLM's
-``Scheduler.update_from_output``, taken in one call.
+``Scheduler.update_from_output`` (with their drafts, under spec decoding),
+taken in one call.
 
 The same decisions and effects as ``fastbatch._reference.update_from_output``
 (see its module note for why each condition): a first pass only reads and
 classifies every scheduled request; a second pass applies, to the requests
-taken, exactly what vLLM's loop would (in-flight count, the token appended
-to both token lists, the placeholder resolved) and builds their
+taken, exactly what vLLM's loop would (in-flight count, the rejected drafts
+taken back from the computed and placeholder counts, the tokens appended
+to both token lists, the placeholders resolved) and builds their
 ``EngineCoreOutput`` (with its sample logprobs: the row of the step's
 ``LogprobsLists``, sliced as ``LogprobsLists.slice_request`` does).
 Nothing is changed unless the whole step has been read and found
@@ -83,7 +85,7 @@ def reset_stats():
 cdef struct Taken:
     Py_ssize_t in_flight       # num_in_flight_tokens after the step
     Py_ssize_t placeholders    # num_output_placeholders after, or -1: unchanged
-    PyObject* token            # borrowed from the sampled list (kept alive by it)
+    Py_ssize_t computed        # num_computed_tokens after, or -1: unchanged
     Py_ssize_t logprobs_start  # the first row of its sample logprobs (if it has some)
     bint has_logprobs          # it gets a slice of the step's LogprobsLists
 
@@ -174,22 +176,36 @@ cdef class _Hasher:
 cdef _Hasher _hasher = _Hasher()
 
 
-cdef int _classify(dict attrs, object tokens, Py_ssize_t num_scheduled, tuple kinds,
-                   int variant, Py_ssize_t max_model_len, Py_ssize_t num_spec_tokens,
-                   _Cache cache, Py_ssize_t row, int logprobs_mode, object cu_rows,
-                   Taken* taken) except -1:
-    """1 if the request (``attrs``: its instance dict) is a plain decode that
-    does not stop this step (and ``taken`` holds what the step does to it), 0
-    if vLLM's loop must take it."""
+cdef int _classify(dict attrs, object tokens, object drafts, Py_ssize_t num_scheduled,
+                   tuple kinds, int variant, Py_ssize_t max_model_len,
+                   Py_ssize_t num_spec_tokens, _Cache cache, Py_ssize_t row,
+                   int logprobs_mode, object cu_rows, Taken* taken) except -1:
+    """1 if the request (``attrs``: its instance dict) is a plain decode, with
+    its ``drafts`` (the draft ids scheduled, or None), that does not stop this
+    step (and ``taken`` holds what the step does to it), 0 if vLLM's loop
+    must take it."""
     cdef Py_ssize_t stale, in_flight, placeholders, computed, num_tokens, num_output
-    cdef Py_ssize_t max_tokens, min_tokens, num_hashes, cache_upto, start
+    cdef Py_ssize_t max_tokens, min_tokens, num_hashes, cache_upto, start, i
+    cdef Py_ssize_t num_new, rejected = 0
     if attrs.get("status") is not kinds[1]:
         return 0
-    if type(tokens) is not list or PyList_GET_SIZE(tokens) != 1:
+    if type(tokens) is not list:
         return 0
-    token = <object>PyList_GET_ITEM(tokens, 0)
-    if type(token) is not int:
-        return 0
+    num_new = PyList_GET_SIZE(tokens)
+    if drafts is None:
+        if num_new != 1:
+            return 0
+    else:
+        # vLLM's loop: the drafts not accepted (of the tokens, all but the
+        # one sampled) are rejected; per-request spec metrics go to vLLM.
+        if (type(drafts) is not list or num_new < 1
+                or num_new - 1 > PyList_GET_SIZE(drafts)
+                or attrs.get("spec_decode_metrics") is not None):
+            return 0
+        rejected = PyList_GET_SIZE(drafts) - (num_new - 1)
+    for i in range(num_new):
+        if type(<object>PyList_GET_ITEM(tokens, i)) is not int:
+            return 0
     if not (_int_value(attrs.get("num_stale_output_tokens"), &stale) and stale == 0):
         return 0
     if not _int_value(attrs.get("num_in_flight_tokens"), &in_flight):
@@ -209,7 +225,7 @@ cdef int _classify(dict attrs, object tokens, Py_ssize_t num_scheduled, tuple ki
         return 0
     taken.has_logprobs = False
     if params.logprobs is not None:
-        if logprobs_mode == LOGPROBS_LEAVE:
+        if logprobs_mode == LOGPROBS_LEAVE or num_new != 1:
             return 0
         if logprobs_mode == LOGPROBS_SLICE:
             if cu_rows is None:
@@ -224,15 +240,21 @@ cdef int _classify(dict attrs, object tokens, Py_ssize_t num_scheduled, tuple ki
     all_ids = attrs.get("_all_token_ids")
     if type(output_ids) is not list or type(all_ids) is not list:
         return 0
-    # check_stop, after the token is appended: it must say "go on".
-    num_tokens = PyList_GET_SIZE(all_ids) + 1
-    num_output = PyList_GET_SIZE(output_ids) + 1
+    # check_stop, after each token is appended: it must say "go on" (the
+    # counts only grow: the last token's are checked).
+    num_tokens = PyList_GET_SIZE(all_ids) + num_new
+    num_output = PyList_GET_SIZE(output_ids) + num_new
     eos = params._eos_token_id  # the eos_token_id property
-    if eos is not None and (type(eos) is not int or eos == token):
+    if eos is not None and type(eos) is not int:
         return 0
     stop_ids = params.stop_token_ids
-    if stop_ids and (type(stop_ids) is not list or PySequence_Contains(stop_ids, token)):
+    if stop_ids and type(stop_ids) is not list:
         return 0
+    for i in range(num_new):
+        token = <object>PyList_GET_ITEM(tokens, i)
+        if (eos is not None and eos == token) or (
+                stop_ids and PySequence_Contains(stop_ids, token)):
+            return 0
     if not _int_value(attrs.get("max_tokens"), &max_tokens):
         return 0
     if num_tokens >= max_model_len or num_output >= max_tokens:
@@ -250,35 +272,41 @@ cdef int _classify(dict attrs, object tokens, Py_ssize_t num_scheduled, tuple ki
         num_hashes = PyList_GET_SIZE(hashes)
         if (num_hashes + 1) * _hasher.block_size <= num_tokens - _hasher.lookahead:
             return 0
-    # The placeholder and the block caching of this version.
-    if not _int_value(attrs.get("num_output_placeholders"), &placeholders):
+    # The rejected drafts, the placeholders and the block caching of this version.
+    if not (_int_value(attrs.get("num_output_placeholders"), &placeholders)
+            and _int_value(attrs.get("num_computed_tokens"), &computed)):
         return 0
     taken.in_flight = in_flight - num_scheduled
-    taken.placeholders = -1
+    taken.placeholders = taken.computed = -1
+    if rejected:
+        if computed > 0:
+            computed -= rejected
+            taken.computed = computed
+        if placeholders > 0:
+            placeholders -= rejected
+            taken.placeholders = placeholders
     cache_upto = -1
     if variant == PLACEHOLDERS_IN_BASE:
         if placeholders > 0:
-            taken.placeholders = placeholders - 1
+            if placeholders < num_new:
+                return 0  # vLLM's assert fails
+            taken.placeholders = placeholders - num_new
         if placeholders > 0 or num_spec_tokens > 0:
-            if not _int_value(attrs.get("num_computed_tokens"), &computed):
-                return 0
             cache_upto = computed - taken.in_flight
     elif variant == ASYNC_OVERRIDE:
-        if placeholders <= 0:
-            return 0
-        taken.placeholders = placeholders - 1
-        if not _int_value(attrs.get("num_computed_tokens"), &computed):
-            return 0
+        if placeholders < num_new:
+            return 0  # vLLM's assert fails
+        taken.placeholders = placeholders - num_new
         cache_upto = computed - taken.placeholders
     if cache_upto >= 0 and not cache.is_noop(attrs.get("request_id"), cache_upto):
         return 0
-    taken.token = <PyObject*>token
     return 1
 
 
 def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple kinds,
-                        int variant):
-    """Take the plain decodes of one ``update_from_output`` call (see the twin).
+                        int variant, bint drafts=False):
+    """Take the plain decodes of one ``update_from_output`` call (see the twin);
+    with ``drafts``, also those with scheduled drafts.
 
     Returns ``None`` (nothing taken, nothing changed) or ``(slots, rest)``:
     ``slots`` has, in scheduling order, the ``EngineCoreOutput`` of each
@@ -361,9 +389,10 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
             request = (<dict>requests).get(req_id)
             if request is not None and request.client_index != 0:
                 return None  # outputs of several front-ends: vLLM's loop orders them
+            request_drafts = (<dict>spec_tokens).get(req_id) or None
             if (request is None or not _int_value(num_obj, &num_scheduled)
                     or num_scheduled <= 0
-                    or req_id in <dict>spec_tokens
+                    or (request_drafts is not None and not drafts)
                     or (nans is not None and req_id in <dict>nans)
                     or req_id in <dict>prompt_logprobs
                     or req_id in <dict>prompt_token_logprobs):
@@ -380,9 +409,9 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
             # attribute used is a plain instance attribute (checked on activation).
             if tokens is not None and type(request) is kinds[0]:
                 attrs = request.__dict__
-                if _classify(attrs, tokens, num_scheduled, kinds, variant, max_model_len,
-                             num_spec_tokens, cache, row, logprobs_mode, cu_rows,
-                             &taken[count]):
+                if _classify(attrs, tokens, request_drafts, num_scheduled, kinds, variant,
+                             max_model_len, num_spec_tokens, cache, row, logprobs_mode,
+                             cu_rows, &taken[count]):
                     slots[i] = tokens  # the request's sampled list, for pass 2
                     taken_requests.append(attrs)
                     count += 1
@@ -402,10 +431,13 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
             if type(tokens) is not list:
                 continue
             attrs = <dict>taken_requests[count]
-            token = <object>taken[count].token
             attrs["num_in_flight_tokens"] = taken[count].in_flight
-            PyList_Append(attrs["_output_token_ids"], token)
-            PyList_Append(attrs["_all_token_ids"], token)
+            output_ids, all_ids = attrs["_output_token_ids"], attrs["_all_token_ids"]
+            for token in <list>tokens:
+                PyList_Append(output_ids, token)
+                PyList_Append(all_ids, token)
+            if taken[count].computed >= 0:
+                attrs["num_computed_tokens"] = taken[count].computed
             if taken[count].placeholders >= 0:
                 attrs["num_output_placeholders"] = taken[count].placeholders
             events = attrs.get("events")

@@ -14,18 +14,22 @@ A request is taken only if all of these hold (read off vLLM 0.33.0 and
   outputs of several front-ends by first appearance);
 - it has no stale output share, no encoder inputs, no pooling, no
   structured output, no ``logprob_token_ids``, no prefill stats to report,
-  no spec tokens scheduled, no NaN count and no prompt logprobs in this
-  output;
+  no NaN count and no prompt logprobs in this output;
+- it has no drafts scheduled, or ``drafts`` is set (the caller sets it when
+  the scheduler keeps no statistics and samples one token per step) and
+  the request keeps no spec-decode metrics of its own;
 - if it asks for sample logprobs (``logprobs`` set: ``num_logprobs`` is not
   None), the step's ``model_runner_output.logprobs`` is None (vLLM then
   gives it none) or a ``LogprobsLists`` (exact type) of numpy arrays (at
   least 1-d) whose ``cu_num_generated_tokens`` is None or a list with an
   int at the request's row;
-- exactly one token was sampled for it (an int);
-- ``check_stop`` after appending that token says "go on": not EOS, not a
+- exactly one token was sampled for it (an int), or with ``k`` drafts
+  scheduled 1 to ``k + 1`` tokens (the drafts accepted, then one sampled;
+  with sample logprobs, only one);
+- ``check_stop`` after appending each token says "go on": not EOS, not a
   stop token, below ``max_model_len`` and ``max_tokens``, and either below
   ``min_tokens`` or with no repetition detection;
-- appending the token fills no block to hash (the block hasher is vLLM's
+- appending the tokens fills no block to hash (the block hasher is vLLM's
   ``request_block_hasher``, whose block size and lookahead are read from its
   closure);
 - the KV-cache call vLLM makes for it, if any, caches nothing: every full
@@ -33,11 +37,14 @@ A request is taken only if all of these hold (read off vLLM 0.33.0 and
   blocks; 0.33's, limited to the hashed tokens, is never larger).
 
 What is done to a request taken, as vLLM does: ``num_in_flight_tokens``
-less the scheduled count; the token appended to ``_output_token_ids`` and
-``_all_token_ids`` (the same int object); one output placeholder resolved
-(``variant``: 0, vLLM 0.33, when there is one; 1, vLLM 0.32's
-``AsyncScheduler``, always, so there must be one; 2, vLLM 0.32's sync
-``Scheduler``, never); its events taken; an ``EngineCoreOutput`` with the
+less the scheduled count; with drafts, the ``r`` rejected (drafts less the
+tokens accepted) taken off ``num_computed_tokens`` and
+``num_output_placeholders`` where each is positive; the tokens appended to
+``_output_token_ids`` and ``_all_token_ids`` (the same int objects); an
+output placeholder resolved per token (``variant``: 0, vLLM 0.33, when there
+are any, and there must be enough; 1, vLLM 0.32's ``AsyncScheduler``,
+always, so there must be enough; 2, vLLM 0.32's sync ``Scheduler``, never);
+its events taken; an ``EngineCoreOutput`` with the
 sampled list itself as ``new_token_ids`` and, for a request with sample
 logprobs, ``new_logprobs`` as vLLM's loop makes it:
 ``logprobs.slice_request(row, 1)`` (views of the step's arrays).
@@ -136,18 +143,29 @@ def _logprobs_mode(logprobs: Any, kinds: tuple[Any, ...]) -> int:
     return LOGPROBS_SLICE
 
 
-def _classify(request: Any, tokens: Any, num_scheduled: int, kinds: tuple[Any, ...],
-              variant: int, max_model_len: int, num_spec_tokens: int,
-              cache: _Cache, row: int, logprobs: Any,
-              logprobs_mode: int) -> tuple[int, int, bool] | None:
-    """``(in-flight count after, placeholders after or -1, whether it gets
-    sample logprobs)`` if ``request`` is taken, None if vLLM's loop must take
-    it."""
+def _classify(request: Any, tokens: Any, drafts: Any, num_scheduled: int,
+              kinds: tuple[Any, ...], variant: int, max_model_len: int,
+              num_spec_tokens: int, cache: _Cache, row: int, logprobs: Any,
+              logprobs_mode: int) -> tuple[int, int, int, bool] | None:
+    """``(in-flight count after, placeholders after or -1, computed tokens
+    after or -1, whether it gets sample logprobs)`` if ``request`` (with
+    ``drafts``, the draft ids scheduled, or None) is taken, None if vLLM's
+    loop must take it."""
     if type(request) is not kinds[0] or request.status is not kinds[1]:
         return None
-    if type(tokens) is not list or len(tokens) != 1 or type(tokens[0]) is not int:
+    if type(tokens) is not list or not tokens or not all(type(t) is int for t in tokens):
         return None
-    token = tokens[0]
+    rejected = 0
+    if drafts is None:
+        if len(tokens) != 1:
+            return None
+    else:
+        # vLLM's loop: the drafts not accepted (of the tokens, all but the one
+        # sampled) are rejected; per-request spec metrics go to vLLM.
+        if (type(drafts) is not list or len(tokens) - 1 > len(drafts)
+                or request.spec_decode_metrics is not None):
+            return None
+        rejected = len(drafts) - (len(tokens) - 1)
     stale, in_flight = request.num_stale_output_tokens, request.num_in_flight_tokens
     if not _is_int(stale, in_flight) or stale != 0:
         return None
@@ -162,7 +180,7 @@ def _classify(request: Any, tokens: Any, num_scheduled: int, kinds: tuple[Any, .
         return None
     # num_logprobs is logprobs now: vLLM slices the step's logprobs if any.
     with_logprobs = params.logprobs is not None and logprobs_mode == LOGPROBS_SLICE
-    if params.logprobs is not None and logprobs_mode == LOGPROBS_LEAVE:
+    if params.logprobs is not None and (logprobs_mode == LOGPROBS_LEAVE or len(tokens) != 1):
         return None
     if with_logprobs and logprobs[3] is not None:
         cu_rows = logprobs[3]
@@ -172,12 +190,13 @@ def _classify(request: Any, tokens: Any, num_scheduled: int, kinds: tuple[Any, .
     output_ids, all_ids = request._output_token_ids, request._all_token_ids
     if type(output_ids) is not list or type(all_ids) is not list:
         return None
-    num_tokens, num_output = len(all_ids) + 1, len(output_ids) + 1
+    # check_stop after each token: "go on" (the counts only grow: the last's).
+    num_tokens, num_output = len(all_ids) + len(tokens), len(output_ids) + len(tokens)
     eos = params.eos_token_id
-    if eos is not None and (type(eos) is not int or eos == token):
+    if eos is not None and (type(eos) is not int or eos in tokens):
         return None
     stop_ids = params.stop_token_ids
-    if stop_ids and (type(stop_ids) is not list or token in stop_ids):
+    if stop_ids and (type(stop_ids) is not list or any(t in stop_ids for t in tokens)):
         return None
     max_tokens, min_tokens = request.max_tokens, params.min_tokens
     if not _is_int(max_tokens) or num_tokens >= max_model_len or num_output >= max_tokens:
@@ -195,30 +214,38 @@ def _classify(request: Any, tokens: Any, num_scheduled: int, kinds: tuple[Any, .
         block_size, lookahead = sizes
         if (len(hashes) + 1) * block_size <= num_tokens - lookahead:
             return None
-    placeholders = request.num_output_placeholders
-    if not _is_int(placeholders):
+    placeholders, computed = request.num_output_placeholders, request.num_computed_tokens
+    if not _is_int(placeholders, computed):
         return None
-    in_flight_after, placeholders_after, cache_upto = in_flight - num_scheduled, -1, -1
+    in_flight_after, placeholders_after, computed_after = in_flight - num_scheduled, -1, -1
+    if rejected:
+        if computed > 0:
+            computed = computed_after = computed - rejected
+        if placeholders > 0:
+            placeholders = placeholders_after = placeholders - rejected
+    cache_upto, num_new = -1, len(tokens)
     if variant == PLACEHOLDERS_IN_BASE:
         if placeholders > 0:
-            placeholders_after = placeholders - 1
+            if placeholders < num_new:
+                return None  # vLLM's assert fails
+            placeholders_after = placeholders - num_new
         if placeholders > 0 or num_spec_tokens > 0:
-            if not _is_int(request.num_computed_tokens):
-                return None
-            cache_upto = request.num_computed_tokens - in_flight_after
+            cache_upto = computed - in_flight_after
     elif variant == ASYNC_OVERRIDE:
-        if placeholders <= 0 or not _is_int(request.num_computed_tokens):
-            return None
-        placeholders_after = placeholders - 1
-        cache_upto = request.num_computed_tokens - placeholders_after
+        if placeholders < num_new:
+            return None  # vLLM's assert fails
+        placeholders_after = placeholders - num_new
+        cache_upto = computed - placeholders_after
     if cache_upto >= 0 and not cache.is_noop(request.request_id, cache_upto):
         return None
-    return in_flight_after, placeholders_after, with_logprobs
+    return in_flight_after, placeholders_after, computed_after, with_logprobs
 
 
 def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_output: Any,
-                        kinds: tuple[Any, ...], variant: int) -> tuple[list, dict] | None:
-    """Take the plain decodes of one ``update_from_output`` call.
+                        kinds: tuple[Any, ...], variant: int,
+                        drafts: bool = False) -> tuple[list, dict] | None:
+    """Take the plain decodes of one ``update_from_output`` call; with
+    ``drafts``, also those with scheduled drafts (spec decoding).
 
     Returns ``None`` (nothing taken, nothing changed) or ``(slots, rest)``:
     ``slots`` has, in scheduling order, the ``EngineCoreOutput`` of each
@@ -267,15 +294,17 @@ def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_outp
     logprobs_mode = _logprobs_mode(logprobs, kinds)
     slots: list[Any] = []
     rest: dict[Any, Any] = {}
-    taken: list[tuple[Any, int, tuple[int, int, bool]]] = []
+    taken: list[tuple[Any, int, tuple[int, int, int, bool]]] = []
     for req_id, num_scheduled in scheduled.items():
         if type(req_id) is not str:
             return None  # the slots tell ids (str) from outputs by type
         request = requests.get(req_id)
         if request is not None and request.client_index != 0:
             return None
+        request_drafts = spec_tokens.get(req_id) or None
         if (request is None or not _is_int(num_scheduled) or num_scheduled <= 0
-                or req_id in spec_tokens or (nans is not None and req_id in nans)
+                or (request_drafts is not None and not drafts)
+                or (nans is not None and req_id in nans)
                 or req_id in prompt_logprobs or req_id in prompt_token_logprobs):
             slots.append(req_id)
             rest[req_id] = num_scheduled
@@ -283,8 +312,8 @@ def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_outp
         row = index_of.get(req_id)
         tokens = sampled[row] if type(row) is int and 0 <= row < len(sampled) else None
         effects = None if tokens is None else _classify(
-            request, tokens, num_scheduled, kinds, variant, max_model_len, num_spec_tokens,
-            cache, row, logprobs, logprobs_mode)
+            request, tokens, request_drafts, num_scheduled, kinds, variant, max_model_len,
+            num_spec_tokens, cache, row, logprobs, logprobs_mode)
         if effects is None:
             slots.append(req_id)
             rest[req_id] = num_scheduled
@@ -299,11 +328,13 @@ def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_outp
     for index, tokens in enumerate(slots):
         if type(tokens) is not list:
             continue
-        request, row, (in_flight_after, placeholders_after, with_logprobs) = next(pending)
-        token = tokens[0]
+        request, row, effects = next(pending)
+        in_flight_after, placeholders_after, computed_after, with_logprobs = effects
         request.num_in_flight_tokens = in_flight_after
-        request._output_token_ids.append(token)
-        request._all_token_ids.append(token)
+        request._output_token_ids.extend(tokens)
+        request._all_token_ids.extend(tokens)
+        if computed_after >= 0:
+            request.num_computed_tokens = computed_after
         if placeholders_after >= 0:
             request.num_output_placeholders = placeholders_after
         events = request.events

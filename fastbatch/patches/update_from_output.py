@@ -1,7 +1,8 @@
 """Patch: ``vllm.v1.core.sched.scheduler.Scheduler.update_from_output``.
 
 What is replaced: the per-request loop of the scheduler's step update, for
-the requests that are plain decodes and do not stop this step.  One compiled
+the requests that are plain decodes (with their drafts, under spec decoding)
+and do not stop this step.  One compiled
 call (``fastbatch.take_decode_outputs``) reads every scheduled request, and
 if the step is consistent does to each plain decode exactly what vLLM's loop
 would (the in-flight count, the token appended, the placeholder resolved,
@@ -10,8 +11,11 @@ logprobs, its slice of the step's ``LogprobsLists``).  vLLM's own method then ru
 a copy of the ``SchedulerOutput`` that lists only the other requests, and
 the outputs are merged back in scheduling order (``merge_decode_outputs``).
 A step with a KV or EC connector, pooling, grammar errors, an aux-output
-connector, sampling masks, perf metrics, deferred block frees, a request of
-another front-end, or drafts for every request goes to vLLM's method whole.
+connector, sampling masks, perf metrics, deferred block frees, or a request of
+another front-end goes to vLLM's method whole.  Requests with drafts are
+taken only when the scheduler keeps no statistics (``log_stats``: vLLM's loop
+counts the drafts in them) and samples one token per step; else they go to
+vLLM's loop, and a step of only such requests to vLLM's method whole.
 Requests are read and written through their instance dict (the activation
 check refuses if an attribute used is a class attribute or missing).
 
@@ -145,7 +149,7 @@ REQUEST_ATTRIBUTES = (
     "pooling_params", "structured_output_request", "prefill_stats", "sampling_params",
     "_output_token_ids", "_all_token_ids", "max_tokens", "_block_hasher", "block_hashes",
     "num_output_placeholders", "num_computed_tokens", "request_id", "events", "stop_reason",
-    "trace_headers", "num_nans_in_logits")
+    "trace_headers", "num_nans_in_logits", "spec_decode_metrics")
 
 # Bound on first use (this module imports no vLLM until then).
 _KINDS: tuple[Any, ...] | None = None
@@ -271,17 +275,24 @@ def _merged(outputs: dict[int, Any], slots: list[Any]) -> dict[int, Any]:
     return {0: own, **outputs}
 
 
-def _fast_variant(scheduler: Any, scheduler_output: Any,
-                  model_runner_output: Any) -> int | None:
+def _takes_drafts(scheduler: Any) -> bool:
+    """Requests with drafts can be taken: the scheduler keeps no statistics
+    (vLLM's loop would count the drafts in them) and samples one token per
+    step (the token after the accepted drafts)."""
+    return scheduler.log_stats is False and scheduler.num_sampled_tokens_per_step == 1
+
+
+def _fast_variant(scheduler: Any, scheduler_output: Any, model_runner_output: Any,
+                  drafts: bool) -> int | None:
     """The placeholder rule to hand the compiled call, or None when the step
     goes to vLLM's method whole."""
     if _KINDS is None:
         _bind()
     variant = _variant(scheduler)
     if (variant is None or not _step_is_plain(scheduler, model_runner_output)
-            # Spec decoding with drafts for every request: nothing to take.
-            or len(scheduler_output.scheduled_spec_decode_tokens)
-            >= len(scheduler_output.num_scheduled_tokens)):
+            # Spec decoding with drafts for every request, none taken: nothing to take.
+            or (not drafts and len(scheduler_output.scheduled_spec_decode_tokens)
+                >= len(scheduler_output.num_scheduled_tokens))):
         return None
     return variant
 
@@ -291,11 +302,12 @@ def update_from_output(self: Any, scheduler_output: Any,
     """fastbatch's drop-in for ``Scheduler.update_from_output`` (same signature)."""
     global _PENDING
     check, _PENDING = _PENDING, None  # the shadow's snapshot of this very call, if any
-    variant = _fast_variant(self, scheduler_output, model_runner_output)
+    drafts = _takes_drafts(self)
+    variant = _fast_variant(self, scheduler_output, model_runner_output, drafts)
     if variant is None:
         return _STOCK(self, scheduler_output, model_runner_output)
     taken = fastbatch.take_decode_outputs(self, scheduler_output, model_runner_output,
-                                          _KINDS, variant)
+                                          _KINDS, variant, drafts)
     if taken is None:
         return _STOCK(self, scheduler_output, model_runner_output)
     slots, rest = taken
@@ -651,7 +663,8 @@ def _snapshot(scheduler: Any, scheduler_output: Any, model_runner_output: Any) -
     vLLM's method whole (nothing to check)."""
     global _PENDING
     _PENDING = None
-    if _fast_variant(scheduler, scheduler_output, model_runner_output) is None:
+    if _fast_variant(scheduler, scheduler_output, model_runner_output,
+                     _takes_drafts(scheduler)) is None:
         return None
     requests = scheduler.requests
     saved = {}
