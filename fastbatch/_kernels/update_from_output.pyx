@@ -203,9 +203,6 @@ cdef int _classify(dict attrs, object tokens, object drafts, Py_ssize_t num_sche
                 or attrs.get("spec_decode_metrics") is not None):
             return 0
         rejected = PyList_GET_SIZE(drafts) - (num_new - 1)
-    for i in range(num_new):
-        if type(<object>PyList_GET_ITEM(tokens, i)) is not int:
-            return 0
     if not (_int_value(attrs.get("num_stale_output_tokens"), &stale) and stale == 0):
         return 0
     if not _int_value(attrs.get("num_in_flight_tokens"), &in_flight):
@@ -252,7 +249,7 @@ cdef int _classify(dict attrs, object tokens, object drafts, Py_ssize_t num_sche
         return 0
     for i in range(num_new):
         token = <object>PyList_GET_ITEM(tokens, i)
-        if (eos is not None and eos == token) or (
+        if type(token) is not int or (eos is not None and eos == token) or (
                 stop_ids and PySequence_Contains(stop_ids, token)):
             return 0
     if not _int_value(attrs.get("max_tokens"), &max_tokens):
