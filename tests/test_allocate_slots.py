@@ -73,7 +73,8 @@ def make_fast(workload: lockstep.Workload, piece=compiled_piece):
     return scheduler
 
 
-IDLE = {"noop_allocations": 0, "noop_lookahead_allocations": 0, "stock_allocations": 0}
+IDLE = {"noop_allocations": 0, "noop_lookahead_allocations": 0, "direct_allocations": 0,
+        "stock_allocations": 0}
 
 
 @pytest.mark.parametrize("workload", lockstep.WORKLOADS, ids=lambda w: w.name)
@@ -84,6 +85,7 @@ def test_lockstep_fast_path_matches_stock(workload):
     harness.run(STEPS_PER_WORKLOAD)  # raises Divergence at the first difference
     counters = fastbatch.stats()["allocate_slots"]
     assert counters["noop_allocations"] > 0  # the fast path was taken
+    assert counters["direct_allocations"] > 0  # new blocks or caching asked of vLLM's coordinator
     assert counters["stock_allocations"] > 0  # and left
     assert twin_piece.stats() == IDLE  # the twin never ran
     if workload.name.startswith("preemption"):
@@ -98,6 +100,7 @@ def test_lockstep_with_the_pure_python_twin(workload):
     lockstep.Lockstep(workload, seed=5,
                       make_fast=lambda w: make_fast(w, twin_piece)).run(60)
     assert twin_piece.stats()["noop_allocations"] > 0  # the twin took requests
+    assert twin_piece.stats()["direct_allocations"] > 0
     assert twin_piece.stats()["stock_allocations"] > 0  # and left some to vLLM
     assert compiled_piece.stats() == IDLE  # the compiled piece never ran
 
@@ -110,6 +113,7 @@ def test_lockstep_spec_decode_matches_stock(workload):
     harness.run(STEPS_PER_WORKLOAD)  # raises Divergence at the first difference
     counters = fastbatch.stats()["allocate_slots"]
     assert counters["noop_allocations"] > 0 and counters["stock_allocations"] > 0
+    assert counters["direct_allocations"] > 0
     if workload.num_lookahead_tokens:
         # Every call of a running request carries the lookahead: the kernel took them.
         assert counters["noop_lookahead_allocations"] == counters["noop_allocations"]
@@ -219,9 +223,10 @@ def _request_state(request):
 def test_lookahead_calls_match_vllm_one_by_one(piece, caching):
     """Every (prompt, prefill lookahead, drafts, lookahead, in-flight) state
     of a grid: fastbatch's method and vLLM's on twin managers give the same
-    answer and leave the same state; fastbatch answers itself exactly when
+    answer and leave the same state; fastbatch answers "nothing" exactly when
     the held blocks cover the new tokens and the lookahead slots and no
-    block of committed tokens is to be cached, and the grid holds calls
+    block of committed tokens is to be cached, plans every other call (new
+    blocks, caching, both) without vLLM's method, and the grid holds calls
     that fit, that fit exactly (to the block boundary), and that need one
     block more."""
     piece.bind(STOCK, patch.kinds())
@@ -258,7 +263,11 @@ def test_lookahead_calls_match_vllm_one_by_one(piece, caching):
                         assert (after["noop_lookahead_allocations"]
                                 - before["noop_lookahead_allocations"]
                                 == (noop and lookahead > 0)), case
-                        assert after["stock_allocations"] - before["stock_allocations"] == 1 - noop
+                        # Every other call is planned: new blocks or caching asked
+                        # of vLLM's coordinator, vLLM's method never called.
+                        assert (after["direct_allocations"] - before["direct_allocations"]
+                                == 1 - noop), case
+                        assert after["stock_allocations"] == before["stock_allocations"]
                         if noop:
                             assert expected == "empty"
                         if lookahead and fits:
@@ -347,11 +356,19 @@ def test_activation_check_refuses_a_kernel_that_ignores_lookahead():
 # compiled call reads directly (no accessor to call), the others only the
 # accessors.
 class _Manager:
-    pass
+    def create_kv_cache_blocks(self, blocks):
+        return ("created", blocks)
 
 
 class _Coordinator:
-    pass
+    """Records what fastbatch asks of vLLM's coordinator."""
+
+    def allocate_new_blocks(self, *args):
+        self.calls.append(("allocate_new_blocks", *args))
+        return (["a new block"],)
+
+    def cache_blocks(self, request, num_tokens):
+        self.calls.append(("cache_blocks", request.request_id, num_tokens))
 
 
 class _Single:
@@ -394,6 +411,7 @@ def _stand_in(num_blocks, num_computed, num_new, max_model_len, block_size, hash
     else:
         single.kv_cache_spec = SimpleNamespace(prefix_cacheable=cacheable)
     coordinator = _Coordinator()
+    coordinator.calls = []
     coordinator.single_type_managers = (single,)
     coordinator.num_reprefillable_tokens = reprefillable
     manager = _Manager()
@@ -446,11 +464,16 @@ def test_compiled_matches_twin(num_blocks, num_computed, num_new, max_model_len,
     for piece in (compiled_piece, twin_piece):
         calls = []
         piece.bind(_recording_stock(calls), KINDS)
+        manager.coordinator.calls = []
         result = piece.allocate_slots(manager, request, num_new, reserved_blocks=reserved,
                                       num_lookahead_tokens=lookahead)
-        results.append((result is manager.empty_kv_cache_blocks, calls))
+        results.append((result is manager.empty_kv_cache_blocks, calls,
+                        manager.coordinator.calls, result if result is not calls else None))
     assert results[0] == results[1]
-    assert results[0][0] is with_lookahead
+    empty, stock_calls, asked, _ = results[0]
+    # Nothing done, vLLM's method called, or vLLM's coordinator asked: one of them.
+    assert (empty and not asked) + bool(stock_calls) + bool(asked) == 1
+    assert (empty and not asked) is with_lookahead
 
 
 def test_compiled_matches_twin_on_a_lookahead_grid():
@@ -510,10 +533,19 @@ def test_every_argument_is_forwarded_as_it_came(piece):
     # one that does not (a second block), or not an int >= 0: vLLM's method.
     assert piece.allocate_slots(manager, request, 1, num_lookahead_tokens=0) \
         is manager.empty_kv_cache_blocks
-    for value in (1, 5, -1, 2**40, True):
+    for value in (-1, 2**40, True):
         calls.clear()
         assert piece.allocate_slots(manager, request, 1, num_lookahead_tokens=value) is calls
         assert calls[0][3 + names.index("num_lookahead_tokens")] is value
+    # 1 and 5 lookahead slots need 1 and 2 blocks more: vLLM's coordinator is
+    # asked for them with vLLM's counts (slots, main-model tokens, encoder tokens).
+    for value, slots in ((1, 5), (5, 9)):
+        calls.clear()
+        manager.coordinator.calls = []
+        assert piece.allocate_slots(manager, request, 1, num_lookahead_tokens=value) == (
+            "created", (["a new block"],))
+        assert calls == []
+        assert manager.coordinator.calls == [("allocate_new_blocks", "r", slots, 4, 0)]
     request.num_computed_tokens = 2
     assert piece.allocate_slots(manager, request, 1, num_lookahead_tokens=1) \
         is manager.empty_kv_cache_blocks
@@ -570,6 +602,12 @@ def test_no_leaks():
                    [manager, request, KINDS], 2000)
     compiled_piece.bind(lambda *args: None, KINDS)
     assert_no_leak(lambda: compiled_piece.allocate_slots(manager, request, 1),
+                   [manager, request], 2000)
+    # A planned call: vLLM's coordinator asked for a block (a stand-in that
+    # keeps nothing), the result made by the manager's create_kv_cache_blocks.
+    manager.coordinator.calls = SimpleNamespace(append=lambda call: None)
+    assert_no_leak(lambda: compiled_piece.allocate_slots(manager, request, 1,
+                                                         num_lookahead_tokens=1),
                    [manager, request], 2000)
     waiting = SimpleNamespace(**vars(request))
     waiting.status = WAITING
@@ -670,9 +708,42 @@ def test_verify_no_false_divergence_in_lockstep(verified, workload):
     harness.run(VERIFY_STEPS)  # the fast side's state stays stock's
     counters = fastbatch.stats()["allocate_slots"]
     assert counters["noop_allocations"] > 0 and counters["stock_allocations"] > 0
-    # Every call that fastbatch answered itself was checked, no other.
-    assert patch.PATCH.checked == counters["noop_allocations"]
+    assert counters["direct_allocations"] > 0
+    # Every call that fastbatch answered or planned itself was checked, no other.
+    assert patch.PATCH.checked == counters["noop_allocations"] + counters["direct_allocations"]
     assert patch.PATCH.divergences == 0 and patch.PATCH.reproducers == []
+
+
+def allocates_a_block_too_many(real):
+    """fastbatch's answer, except that a planned call (new blocks or caching
+    asked of vLLM's coordinator) also takes one block more for the request."""
+    def buggy(self, request, *args, **kwargs):
+        planned = fastbatch.stats()["allocate_slots"]["direct_allocations"]
+        result = real(self, request, *args, **kwargs)
+        if fastbatch.stats()["allocate_slots"]["direct_allocations"] != planned:
+            (single,) = self.coordinator.single_type_managers
+            held = len(single.req_to_blocks[request.request_id])
+            self.coordinator.allocate_new_blocks(request.request_id,
+                                                 (held + 1) * single.block_size, 0)
+        return result
+    return buggy
+
+
+def test_verify_catches_a_planned_call_that_changes_too_much(verified, monkeypatch, logs):
+    """A planted bug in a planned call: vLLM's method runs on a rebuilt
+    manager and is compared by counts; the divergence is reported, the
+    planned blocks stand (the live state cannot be rolled back: the
+    lockstep sees the extra block) and vLLM's method runs from then on."""
+    make_fast_checked = verified(1.0)
+    real = patch.PATCH.replacement
+    monkeypatch.setattr(patch.PATCH, "replacement", allocates_a_block_too_many(real))
+    harness = lockstep.Lockstep(lockstep.WORKLOADS[0], seed=3, make_fast=make_fast_checked)
+    with pytest.raises(lockstep.Divergence):
+        while harness.steps < 400:
+            harness.step()
+    assert patch.PATCH.divergences == 1
+    (error,) = [line for line in logs.at(logging.ERROR) if "FASTBATCH_VERIFY" in line]
+    assert "'allocate_slots'" in error and "changed" in error
 
 
 def claims_nothing_to_allocate_late(real):

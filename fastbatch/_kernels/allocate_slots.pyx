@@ -1,17 +1,19 @@
 # Compiler directives are set in setup.py (one place, with a debug switch).
-"""Compiled piece ``allocate_slots``: vLLM's ``KVCacheManager.allocate_slots`` with its no-op in C.
+"""Compiled piece ``allocate_slots``: vLLM's ``KVCacheManager.allocate_slots`` for a decode, in C.
 
 ``allocate_slots`` is the method itself, bound on vLLM's class by the patch
 (a Cython function binds like a Python one: ``binding`` is on, Cython 3's
 default), with vLLM's signature and defaults.  One compiled call checks the
 defaults (``num_lookahead_tokens`` may be any count: spec decoding's
-lookahead slots), decides whether vLLM's method would return
-``empty_kv_cache_blocks`` and change nothing, and then returns that object,
-or calls vLLM's method (``bind``) with every argument as it came.  The decision is the one of
+lookahead slots) and plans what vLLM's method would do (``_plan``): nothing
+(it returns ``empty_kv_cache_blocks``), or new blocks and/or caching, which
+it then asks of vLLM's own coordinator with vLLM's arguments, leaving out
+the calls that would do nothing; any call it cannot plan goes to vLLM's
+method (``bind``) with every argument as it came.  The plan is the one of
 ``fastbatch._reference.allocate_slots`` (see its module note for why each
 condition), read with C-level type checks, dict lookups and reads of the
 fields that the pinned vLLM methods and properties would return (no Python
-call on the common path).  It reads and never writes.
+call on the common path).  The plan reads and never writes.
 
 ``allocate_slots_is_noop`` is the decision alone, with the kinds passed in.
 """
@@ -25,6 +27,7 @@ from fastbatch._kernels._common cimport PyLong_CheckExact, long_as_compact
 
 cdef uint64_t _noop_allocations = 0
 cdef uint64_t _noop_lookahead_allocations = 0
+cdef uint64_t _direct_allocations = 0
 cdef uint64_t _stock_allocations = 0
 
 
@@ -32,13 +35,16 @@ def stats():
     """This piece's counters since import or the last ``reset_stats()``."""
     return {"noop_allocations": _noop_allocations,
             "noop_lookahead_allocations": _noop_lookahead_allocations,
+            "direct_allocations": _direct_allocations,
             "stock_allocations": _stock_allocations}
 
 
 def reset_stats():
     """Set every counter of ``stats()`` back to zero."""
-    global _noop_allocations, _noop_lookahead_allocations, _stock_allocations
-    _noop_allocations = _noop_lookahead_allocations = _stock_allocations = 0
+    global _noop_allocations, _noop_lookahead_allocations, _direct_allocations
+    global _stock_allocations
+    _noop_allocations = _noop_lookahead_allocations = _direct_allocations = 0
+    _stock_allocations = 0
 
 
 cdef class _Kinds:
@@ -106,63 +112,83 @@ cdef inline bint _is_int_zero(object value) noexcept:
     return _as_index(value, &number) and number == 0
 
 
-cdef bint _is_noop(object manager, object request, object num_new_tokens,
-                   object reserved_blocks, Py_ssize_t lookahead, _Kinds kinds) except -1:
+# What ``_plan`` finds vLLM's method would do (flags; ``_STOCK`` alone: vLLM decides).
+cdef enum:
+    _STOCK = -1
+    _NOTHING = 0      # return empty_kv_cache_blocks, change nothing
+    _ALLOCATE = 1     # new blocks for the new tokens and lookahead slots
+    _CACHE = 2        # full blocks of committed tokens to cache
+
+
+cdef struct _Counts:
+    Py_ssize_t need_slots     # num_tokens_need_slot
+    Py_ssize_t main_tokens    # num_tokens_main_model
+    Py_ssize_t to_cache       # num_tokens_to_cache
+
+
+cdef int _plan(object manager, object request, object num_new_tokens, object reserved_blocks,
+               Py_ssize_t lookahead, _Kinds kinds, _Counts* counts) except -2:
     cdef Py_ssize_t new_tokens, reserved, computed, max_model_len, block_size
     cdef Py_ssize_t free_blocks, hash_block_size, num_tokens, reprefillable, num_cached
-    cdef Py_ssize_t total_computed, need_slots, cacheable
+    cdef Py_ssize_t total_computed, need_slots, cacheable, to_cache, blocks_needed
+    cdef int plan = _NOTHING
     if type(manager) is not kinds.manager:
-        return False
+        return _STOCK
     if not (_as_index(num_new_tokens, &new_tokens) and _as_index(reserved_blocks, &reserved)):
-        return False
+        return _STOCK
     coordinator = manager.coordinator
     coordinator_type = type(coordinator)
     for kind in kinds.coordinators:
         if coordinator_type is kind:
             break
     else:
-        return False
+        return _STOCK
     singles = coordinator.single_type_managers
     if type(singles) is not tuple or len(<tuple>singles) != 1:
-        return False
+        return _STOCK
     single = (<tuple>singles)[0]
     if type(single) is not kinds.single or request.status is not kinds.running:
-        return False
+        return _STOCK
     request_id = request.request_id
     req_to_blocks = single.req_to_blocks
     if not isinstance(req_to_blocks, dict):
-        return False
+        return _STOCK
     blocks = (<dict>req_to_blocks).get(request_id)
     if type(blocks) is not list or request_id in single._partial_hit_reqs:
-        return False
+        return _STOCK
     if not (_as_index(request.num_computed_tokens, &computed)
             and _as_index(manager.max_model_len, &max_model_len)
             and _as_index(single.block_size, &block_size)):
-        return False
+        return _STOCK
     if new_tokens <= 0 or block_size <= 0 or computed < 0:
-        return False
+        return _STOCK
     total_computed = min(computed, max_model_len)
     # Every count is below 2**30: no overflow.  The lookahead slots count
     # towards the blocks needed, not towards the tokens to cache.
     need_slots = min(total_computed + new_tokens + lookahead, max_model_len)
     if need_slots < 0:
-        return False
+        return _STOCK
     # vLLM's cdiv, for a count >= 0 and a block size > 0.
-    if (need_slots + block_size - 1) // block_size > len(<list>blocks):
-        return False
+    blocks_needed = (need_slots + block_size - 1) // block_size - len(<list>blocks)
     pool = single.block_pool
     if pool is not manager.block_pool:
-        return False
+        return _STOCK
     # BlockPool.get_num_free_blocks (pinned) returns this field.
     free = (pool.free_block_queue.num_free_blocks if type(pool) is kinds.pool
             else pool.get_num_free_blocks())
-    if not _as_index(free, &free_blocks) or reserved > free_blocks:
-        return False
+    if not _as_index(free, &free_blocks):
+        return _STOCK
+    if blocks_needed > 0:
+        plan = _ALLOCATE
+    else:
+        blocks_needed = 0
+    if blocks_needed + reserved > free_blocks:
+        return _STOCK  # vLLM returns None
     if single.enable_caching:
         if not _as_index(pool.hash_block_size, &hash_block_size):
-            return False
+            return _STOCK
         if block_size != hash_block_size:
-            return False
+            return _STOCK
         spec = single.kv_cache_spec
         # The pinned KVCacheSpec.prefix_cacheable of vLLM's full-attention spec is True.
         if type(spec) is kinds.spec or spec.prefix_cacheable:
@@ -170,19 +196,23 @@ cdef bint _is_noop(object manager, object request, object num_new_tokens,
                 # Request.num_tokens (pinned) is the length of this list.
                 num_tokens = len(request._all_token_ids)
             elif not _as_index(request.num_tokens, &num_tokens):
-                return False
+                return _STOCK
             if not _as_index(coordinator.num_reprefillable_tokens, &reprefillable):
-                return False
+                return _STOCK
             cached = single.num_cached_block
             if not isinstance(cached, dict):
-                return False
+                return _STOCK
             if not _as_index((<dict>cached).get(request_id, 0), &num_cached):
-                return False
-            cacheable = max(0, min(total_computed + new_tokens, num_tokens) - reprefillable)
+                return _STOCK
+            to_cache = min(total_computed + new_tokens, num_tokens)
+            cacheable = max(0, to_cache - reprefillable)
             # vLLM 0.32.0's count of full blocks; 0.33.0's is never larger.
             if num_cached < cacheable // block_size:
-                return False
-    return True
+                plan |= _CACHE
+                counts.to_cache = to_cache
+    counts.need_slots = need_slots
+    counts.main_tokens = total_computed + new_tokens
+    return plan
 
 
 def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
@@ -192,16 +222,23 @@ def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
                    has_scheduled_reqs=True, skip_zeroing_group_ids=()):
     """fastbatch's ``KVCacheManager.allocate_slots`` (vLLM's signature and defaults).
 
-    ``self.empty_kv_cache_blocks`` where vLLM's method would return it and
-    change nothing: every argument but ``num_new_tokens``,
-    ``num_lookahead_tokens`` (an int >= 0) and ``reserved_blocks`` at its
-    default (``has_scheduled_reqs`` and
-    ``skip_zeroing_group_ids`` do not matter for a running request without new
-    computed blocks) and ``allocate_slots_is_noop``; vLLM's method (``bind``)
-    with the same arguments otherwise.
+    For a running request's decode call (every argument but
+    ``num_new_tokens``, ``num_lookahead_tokens`` (an int >= 0) and
+    ``reserved_blocks`` at its default; ``has_scheduled_reqs`` and
+    ``skip_zeroing_group_ids`` do not matter for a running request without
+    new computed blocks) that ``_plan`` can follow: ``self.empty_kv_cache_blocks``
+    where vLLM's method would return it and change nothing
+    (``allocate_slots_is_noop``); else the two calls of vLLM's method that
+    act, with its arguments: the coordinator's ``allocate_new_blocks`` where
+    blocks are needed, then its ``cache_blocks`` where full blocks are left
+    to cache, and the result of ``create_kv_cache_blocks``.  vLLM's method
+    (``bind``) with the same arguments for every other call.
     """
-    global _noop_allocations, _noop_lookahead_allocations, _stock_allocations
+    global _noop_allocations, _noop_lookahead_allocations, _direct_allocations
+    global _stock_allocations
     cdef Py_ssize_t lookahead = 0
+    cdef int plan = _STOCK
+    cdef _Counts counts
     if _stock is None:
         raise RuntimeError("fastbatch's allocate_slots is not bound to vLLM's method "
                            "(fastbatch.patches.allocate_slots.bind() does it)")
@@ -209,18 +246,32 @@ def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
             and _as_index(num_lookahead_tokens, &lookahead) and lookahead >= 0
             and _is_int_zero(num_external_computed_tokens)
             and _is_int_zero(num_encoder_tokens) and delay_cache_blocks is False
-            and full_sequence_must_fit is False
-            and _is_noop(self, request, num_new_tokens, reserved_blocks, lookahead,
-                         _bound_kinds)):
+            and full_sequence_must_fit is False):
+        plan = _plan(self, request, num_new_tokens, reserved_blocks, lookahead, _bound_kinds,
+                     &counts)
+    if plan == _NOTHING:
         _noop_allocations += 1
         if lookahead:
             _noop_lookahead_allocations += 1
         return self.empty_kv_cache_blocks
-    _stock_allocations += 1
-    return _stock(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-                  num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
-                  num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
-                  has_scheduled_reqs, skip_zeroing_group_ids)
+    if plan == _STOCK:
+        _stock_allocations += 1
+        return _stock(self, request, num_new_tokens, num_new_computed_tokens,
+                      new_computed_blocks, num_lookahead_tokens,
+                      num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens,
+                      full_sequence_must_fit, reserved_blocks, has_scheduled_reqs,
+                      skip_zeroing_group_ids)
+    _direct_allocations += 1
+    coordinator = self.coordinator
+    new_blocks = None
+    if plan & _ALLOCATE:
+        new_blocks = coordinator.allocate_new_blocks(request.request_id, counts.need_slots,
+                                                     counts.main_tokens, num_encoder_tokens)
+    if plan & _CACHE:
+        coordinator.cache_blocks(request, counts.to_cache)
+    if new_blocks is None:
+        return self.empty_kv_cache_blocks
+    return self.create_kv_cache_blocks(new_blocks)
 
 
 def allocate_slots_is_noop(manager, request, num_new_tokens, reserved_blocks, kinds,
@@ -240,9 +291,10 @@ def allocate_slots_is_noop(manager, request, num_new_tokens, reserved_blocks, ki
     global _noop_allocations, _noop_lookahead_allocations, _stock_allocations
     cdef Py_ssize_t lookahead = 0
     cdef _Kinds unpacked = _unpack_kinds(kinds)
+    cdef _Counts counts
     if (_as_index(num_lookahead_tokens, &lookahead) and lookahead >= 0
-            and _is_noop(manager, request, num_new_tokens, reserved_blocks, lookahead,
-                         unpacked)):
+            and _plan(manager, request, num_new_tokens, reserved_blocks, lookahead,
+                      unpacked, &counts) == _NOTHING):
         _noop_allocations += 1
         if lookahead:
             _noop_lookahead_allocations += 1

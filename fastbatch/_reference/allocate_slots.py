@@ -1,10 +1,18 @@
 """Pure-Python twin of the compiled piece ``allocate_slots`` (``fastbatch._kernels``).
 
 ``allocate_slots`` is vLLM's ``KVCacheManager.allocate_slots`` (same
-signature and defaults) answering its no-op case itself: it returns
-``self.empty_kv_cache_blocks`` where ``allocate_slots_is_noop`` says yes and
-every other argument is at its default, and calls vLLM's method (``bind``)
-with the same arguments otherwise.
+signature and defaults) planning a running request's decode call itself
+(``_plan``): it returns ``self.empty_kv_cache_blocks`` where
+``allocate_slots_is_noop`` says yes; where only new blocks and/or a
+completed block to cache are left, it makes the two calls of vLLM's method
+that act there, the coordinator's ``allocate_new_blocks(request_id,
+num_tokens_need_slot, num_tokens_main_model, num_encoder_tokens)`` and
+``cache_blocks(request, num_tokens_to_cache)``, with vLLM's counts, and
+returns ``create_kv_cache_blocks`` of the new blocks (or
+``empty_kv_cache_blocks``); with ``n`` blocks to add, vLLM needs ``n +
+reserved_blocks`` free blocks (else it returns None, and that call goes to
+vLLM).  Every other call goes to vLLM's method (``bind``) with the same
+arguments.
 
 ``allocate_slots_is_noop`` says whether vLLM's ``KVCacheManager.allocate_slots``,
 called for ``request`` with ``num_new_tokens``, ``num_lookahead_tokens`` and
@@ -37,7 +45,7 @@ Why each condition (read off vLLM 0.33.0's code, pinned by the patch's guard):
   (``cache_blocks`` returns early): the tokens to cache are
   ``min(computed + new, request.num_tokens)`` (drafts and lookahead slots
   are never cached; a step whose accepted tokens completed a block does
-  cache it, and goes to vLLM).  vLLM 0.32.0 counts every full block of
+  cache it: that call is planned).  vLLM 0.32.0 counts every full block of
   cacheable tokens, 0.33.0 only those whose hashes exist (never more): the
   0.32.0 count is used for both, so a yes is right for either.
 
@@ -59,7 +67,7 @@ from typing import Any
 from fastbatch._reference._common import Counters
 
 _COUNTERS = Counters(("noop_allocations", "noop_lookahead_allocations",
-                      "stock_allocations"))
+                      "direct_allocations", "stock_allocations"))
 stats, reset_stats = _COUNTERS.stats, _COUNTERS.reset_stats
 
 # The compiled piece reads counts as one-digit ints (CPython's compact ints).
@@ -98,57 +106,66 @@ def _is_index(value: Any) -> bool:
     return type(value) is int and -_INDEX_LIMIT < value < _INDEX_LIMIT
 
 
-def _is_noop(manager: Any, request: Any, num_new_tokens: Any, reserved_blocks: Any,
-             num_lookahead_tokens: int, kinds: tuple[Any, ...]) -> bool:
+# What ``_plan`` finds vLLM's method would do (flags; ``STOCK`` alone: vLLM decides).
+STOCK, NOTHING, ALLOCATE, CACHE = -1, 0, 1, 2
+
+
+def _plan(manager: Any, request: Any, num_new_tokens: Any, reserved_blocks: Any,
+          num_lookahead_tokens: int, kinds: tuple[Any, ...]) -> tuple[int, int, int, int]:
+    """(plan, num_tokens_need_slot, num_tokens_main_model, num_tokens_to_cache)."""
     (manager_type, coordinator_types, single_type, pool_type, request_type, spec_type,
      running) = kinds
+    stock = (STOCK, 0, 0, 0)
     if type(manager) is not manager_type:
-        return False
+        return stock
     if not (_is_index(num_new_tokens) and _is_index(reserved_blocks)):
-        return False
+        return stock
     coordinator = manager.coordinator
     if not any(type(coordinator) is kind for kind in coordinator_types):
-        return False
+        return stock
     singles = coordinator.single_type_managers
     if type(singles) is not tuple or len(singles) != 1:
-        return False
+        return stock
     single = singles[0]
     if type(single) is not single_type or request.status is not running:
-        return False
+        return stock
     request_id = request.request_id
     req_to_blocks = single.req_to_blocks
     if not isinstance(req_to_blocks, dict):
-        return False
+        return stock
     blocks = dict.get(req_to_blocks, request_id)
     if type(blocks) is not list or request_id in single._partial_hit_reqs:
-        return False
+        return stock
     num_computed = request.num_computed_tokens
     max_model_len = manager.max_model_len
     block_size = single.block_size
     if not all(_is_index(value) for value in (num_computed, max_model_len, block_size)):
-        return False
+        return stock
     if num_new_tokens <= 0 or block_size <= 0 or num_computed < 0:
-        return False
+        return stock
     total_computed = min(num_computed, max_model_len)
     # The lookahead slots count towards the blocks needed, not the tokens to cache.
     need_slots = min(total_computed + num_new_tokens + num_lookahead_tokens, max_model_len)
     if need_slots < 0:
-        return False
+        return stock
     # vLLM's cdiv, for a count >= 0 and a block size > 0.
-    if (need_slots + block_size - 1) // block_size > len(blocks):
-        return False
+    blocks_needed = (need_slots + block_size - 1) // block_size - len(blocks)
     pool = single.block_pool
     if pool is not manager.block_pool:
-        return False
+        return stock
     # BlockPool.get_num_free_blocks (pinned) returns this field.
     free = (pool.free_block_queue.num_free_blocks if type(pool) is pool_type
             else pool.get_num_free_blocks())
-    if not _is_index(free) or reserved_blocks > free:
-        return False
+    if not _is_index(free):
+        return stock
+    plan = ALLOCATE if blocks_needed > 0 else NOTHING
+    if max(blocks_needed, 0) + reserved_blocks > free:
+        return stock  # vLLM returns None
+    to_cache = 0
     if single.enable_caching:
         hash_block_size = pool.hash_block_size
         if not _is_index(hash_block_size) or block_size != hash_block_size:
-            return False
+            return stock
         spec = single.kv_cache_spec
         # The pinned KVCacheSpec.prefix_cacheable of vLLM's full-attention spec is True.
         if type(spec) is spec_type or spec.prefix_cacheable:
@@ -159,16 +176,17 @@ def _is_noop(manager: Any, request: Any, num_new_tokens: Any, reserved_blocks: A
             cached = single.num_cached_block
             if not (_is_index(num_tokens) and _is_index(reprefillable)
                     and isinstance(cached, dict)):
-                return False
+                return stock
             num_cached = dict.get(cached, request_id, 0)
             if not _is_index(num_cached):
-                return False
-            to_cache = min(total_computed + num_new_tokens, num_tokens)
-            cacheable = max(0, to_cache - reprefillable)
+                return stock
+            cache_up_to = min(total_computed + num_new_tokens, num_tokens)
+            cacheable = max(0, cache_up_to - reprefillable)
             # vLLM 0.32.0's count of full blocks; 0.33.0's is never larger.
             if num_cached < cacheable // block_size:
-                return False
-    return True
+                plan |= CACHE
+                to_cache = cache_up_to
+    return plan, need_slots, total_computed + num_new_tokens, to_cache
 
 
 def _is_int_zero(value: Any) -> bool:
@@ -207,20 +225,34 @@ def allocate_slots(self: Any, request: Any, num_new_tokens: int,
         raise RuntimeError("fastbatch's allocate_slots is not bound to vLLM's method "
                            "(fastbatch.patches.allocate_slots.bind() does it)")
     stock, kinds = _BOUND
+    plan = need_slots = main_tokens = to_cache = STOCK
     if (new_computed_blocks is None and _is_int_zero(num_new_computed_tokens)
             and _is_lookahead(num_lookahead_tokens)
             and _is_int_zero(num_external_computed_tokens)
             and _is_int_zero(num_encoder_tokens) and delay_cache_blocks is False
-            and full_sequence_must_fit is False
-            and _is_noop(self, request, num_new_tokens, reserved_blocks, num_lookahead_tokens,
-                         kinds)):
+            and full_sequence_must_fit is False):
+        plan, need_slots, main_tokens, to_cache = _plan(
+            self, request, num_new_tokens, reserved_blocks, num_lookahead_tokens, kinds)
+    if plan == NOTHING:
         _count_noop(num_lookahead_tokens)
         return self.empty_kv_cache_blocks
-    _COUNTERS.values["stock_allocations"] += 1
-    return stock(self, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-                 num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
-                 num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
-                 has_scheduled_reqs, skip_zeroing_group_ids)
+    if plan == STOCK:
+        _COUNTERS.values["stock_allocations"] += 1
+        return stock(self, request, num_new_tokens, num_new_computed_tokens,
+                     new_computed_blocks, num_lookahead_tokens, num_external_computed_tokens,
+                     delay_cache_blocks, num_encoder_tokens, full_sequence_must_fit,
+                     reserved_blocks, has_scheduled_reqs, skip_zeroing_group_ids)
+    _COUNTERS.values["direct_allocations"] += 1
+    coordinator = self.coordinator
+    new_blocks = None
+    if plan & ALLOCATE:
+        new_blocks = coordinator.allocate_new_blocks(request.request_id, need_slots,
+                                                     main_tokens, num_encoder_tokens)
+    if plan & CACHE:
+        coordinator.cache_blocks(request, to_cache)
+    if new_blocks is None:
+        return self.empty_kv_cache_blocks
+    return self.create_kv_cache_blocks(new_blocks)
 
 
 def allocate_slots_is_noop(manager: Any, request: Any, num_new_tokens: Any,
@@ -239,8 +271,8 @@ def allocate_slots_is_noop(manager: Any, request: Any, num_new_tokens: Any,
     """
     kinds = _unpack_kinds(kinds)
     noop = (_is_lookahead(num_lookahead_tokens)
-            and _is_noop(manager, request, num_new_tokens, reserved_blocks,
-                         num_lookahead_tokens, kinds))
+            and _plan(manager, request, num_new_tokens, reserved_blocks,
+                      num_lookahead_tokens, kinds)[0] == NOTHING)
     if noop:
         _count_noop(num_lookahead_tokens)
     else:

@@ -4,18 +4,21 @@ What is replaced: the KV-cache manager's slot allocation, which the scheduler
 calls once per running request per step (``Scheduler.schedule``), and once
 per newly admitted request.  The replacement is one compiled function
 (``fastbatch._kernels.allocate_slots.allocate_slots``, bound on the class as
-the method itself, vLLM's signature and defaults): it answers at once, with
-vLLM's own ``empty_kv_cache_blocks``, when it finds that vLLM's method would
-return exactly that and change nothing (the decision of
-``fastbatch.allocate_slots_is_noop``): a RUNNING request, one full-attention
-KV group, every other argument at its default (``num_lookahead_tokens``
-aside: any int >= 0), no new block needed for the new tokens and the
-lookahead slots, nothing new to cache.  That is the plain decode step, 15
-steps out of 16 with blocks of 16 tokens, and with spec decoding the step
-whose new tokens (the last sampled one and the drafts to verify) and
-lookahead slots fit in the blocks already held and whose committed tokens
-complete no block.  Every other call runs vLLM's method, unchanged, with the
-same arguments.
+the method itself, vLLM's signature and defaults) for a RUNNING request's
+decode call: one full-attention KV group, every other argument at its
+default (``num_lookahead_tokens`` aside: any int >= 0).  It answers at once,
+with vLLM's own ``empty_kv_cache_blocks``, when it finds that vLLM's method
+would return exactly that and change nothing (the decision of
+``fastbatch.allocate_slots_is_noop``): no new block needed for the new tokens
+and the lookahead slots, nothing new to cache.  That is the plain decode
+step, 15 steps out of 16 with blocks of 16 tokens, and with spec decoding
+the step whose new tokens (the last sampled one and the drafts to verify)
+and lookahead slots fit in the blocks already held and whose committed
+tokens complete no block.  Where the same decode call needs new blocks or
+completes a block to cache, it plans it: the coordinator's
+``allocate_new_blocks`` and ``cache_blocks``, the only calls of vLLM's
+method that act there, with vLLM's arguments, and ``create_kv_cache_blocks``.
+Every other call runs vLLM's method, unchanged, with the same arguments.
 
 Why: in a decode step stock walks the manager, the coordinator and the
 single-type manager (remove skipped blocks, count blocks to allocate,
@@ -26,8 +29,8 @@ scheduler step (cProfile: 3.3 s of 6.2 s in ``schedule``).
 The scheduler is the same code under Model Runner V1 and V2 (it runs in
 EngineCore, not in the worker), so this piece acts under both runners.
 
-When it can go: if vLLM gives ``allocate_slots`` its own fast exit for a
-request that needs no new block and fills no block.
+When it can go: if vLLM gives ``allocate_slots`` its own fast path for a
+running request's decode call.
 
 Safety: see ``fastbatch.patches._patch``.  The guard pins the target and
 every vLLM function on the path the fast answer stands in for (the
@@ -42,9 +45,14 @@ on and off, across block boundaries, plain decode steps and spec decode
 steps with drafts and lookahead slots).
 
 Shadow check (``FASTBATCH_VERIFY``): only the calls that fastbatch answers
-itself are checked (``Shadow.check``: the pieces' ``stock_allocations``
+or plans itself are checked (``Shadow.check``: the pieces' ``stock_allocations``
 counter did not move, so vLLM's method was not called); a call handed to
 vLLM's method has nothing to check, and vLLM's method is not run twice.
+A planned call (the ``direct_allocations`` counter moved) is checked against
+vLLM's method on a small manager and request rebuilt as they were before it
+(``_rebuild(small=True)``), compared by counts (``_Answer(by_count=True)``);
+on a divergence there the planned allocation stands, the call returns it,
+and the piece goes stock from the next call.
 Nothing is copied: on the "nothing to allocate" answer vLLM's method changes
 nothing, so it runs right after, on the same live manager and request, and
 that is the check.  Compared: what each returned (``empty_kv_cache_blocks``,
@@ -60,6 +68,8 @@ call, the call's arguments); ``replay`` runs each side on a fresh rebuild.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from typing import Any
 
 import fastbatch
@@ -95,6 +105,12 @@ COMPANION_FINGERPRINTS = {
         "fdbb12b84dda0ac5e4b121d10b343c55f4f1d260e7d912af9d746024068a0a96": "vLLM 0.32.0-0.33.0"},
     f"{SINGLE_TYPE}:SingleTypeKVCacheManager.get_num_blocks_to_allocate": {
         "ff0c4a69190434722d66172b9168150d008327afedb8f33531bd35050d72c02f": "vLLM 0.32.0-0.33.0"},
+    # The block count of a request without a cached-block entry (no prefix
+    # cache) reads these two on its (empty) new computed blocks.
+    f"{SINGLE_TYPE}:SingleTypeKVCacheManager._has_partial_local_hit": {
+        "ab42d67829c56771857e3bffcf6d6e73e6e14eb4fbc7c1ead833e241519b4cfa": "vLLM 0.32.0-0.33.0"},
+    f"{SINGLE_TYPE}:SingleTypeKVCacheManager._get_num_evictable_blocks": {
+        "ccc150d0bf1b51f431145fc4e5362da9c25fa66f92ffe43c71c5e1a1f2f01e18": "vLLM 0.32.0-0.33.0"},
     f"{SINGLE_TYPE}:SingleTypeKVCacheManager.allocate_new_blocks": {
         "cf7e83edf6a526ee24540fb304b7e042d3cdbeddffb81e6c8b4523b2291b0ae3": "vLLM 0.32.0-0.33.0"},
     f"{SINGLE_TYPE}:SingleTypeKVCacheManager.cache_blocks": {
@@ -123,7 +139,8 @@ _COORDINATOR_METHODS = ("get_num_blocks_to_allocate", "allocate_new_computed_blo
                         "allocate_new_blocks", "get_num_cacheable_tokens", "cache_blocks",
                         "remove_skipped_blocks")
 _SINGLE_TYPE_METHODS = ("get_num_blocks_to_allocate", "allocate_new_blocks",
-                        "remove_skipped_blocks", "get_num_skipped_tokens")
+                        "remove_skipped_blocks", "get_num_skipped_tokens",
+                        "_has_partial_local_hit", "_get_num_evictable_blocks")
 
 # The piece in use: the compiled one, or its twin where it cannot be imported
 # (then the plugin leaves vLLM stock anyway).
@@ -177,9 +194,10 @@ def overridden_methods() -> list[str]:
                 coordinators.KVCacheCoordinatorNoPrefixCache):
         found += [f"{cls.__name__}.{name}" for name in _COORDINATOR_METHODS
                   if getattr(cls, name) is not getattr(coordinators.KVCacheCoordinator, name)]
+    # As stored on the class (a classmethod is bound anew by every getattr).
     found += [f"FullAttentionManager.{name}" for name in _SINGLE_TYPE_METHODS
-              if getattr(singles.FullAttentionManager, name)
-              is not getattr(singles.SingleTypeKVCacheManager, name)]
+              if inspect.getattr_static(singles.FullAttentionManager, name)
+              is not inspect.getattr_static(singles.SingleTypeKVCacheManager, name)]
     return found
 
 
@@ -286,11 +304,11 @@ _ARGUMENTS = ("num_new_tokens", "num_new_computed_tokens", "new_computed_blocks"
               "has_scheduled_reqs", "skip_zeroing_group_ids")
 
 
-def _stock_allocations() -> int:
-    """How many calls the pieces (compiled and twin) have handed to vLLM's method."""
-    count = _reference.allocate_slots.stats()["stock_allocations"]
+def _counted(counter: str) -> int:
+    """A counter of the pieces (compiled and twin) together."""
+    count = _reference.allocate_slots.stats()[counter]
     if fastbatch.COMPILED:
-        count += _piece.stats()["stock_allocations"]
+        count += _piece.stats()[counter]
     return count
 
 
@@ -316,23 +334,41 @@ def _snapshot(self: Any, request: Any, *args: Any, **kwargs: Any) -> dict[str, A
     arguments = dict(zip(_ARGUMENTS[:len(args)], args, strict=True))
     arguments.update(kwargs)
     return {"manager": self, "request": request, "arguments": arguments,
-            "before": _state(self, request.request_id), "stock_calls": _stock_allocations()}
+            "before": _state(self, request.request_id),
+            "stock_calls": _counted("stock_allocations"),
+            "direct_calls": _counted("direct_allocations")}
 
 
 def _check(inputs: dict[str, Any], result: Any, *args: Any, **kwargs: Any) -> bool:
     """Only the calls that fastbatch answered itself (it did not call vLLM's method)."""
-    return _stock_allocations() == inputs["stock_calls"]
+    return _counted("stock_allocations") == inputs["stock_calls"]
+
+
+def _by_count(state: Any) -> Any:
+    """A ``_state`` with each block list as its length and without the free
+    count (an outcome by counts compares the free count's change)."""
+    groups, _ = state
+    return tuple((None if blocks is None else len(blocks), cached, partial)
+                 for blocks, cached, partial in groups)
 
 
 class _Answer:
     """An outcome: what the call returned (``"empty_kv_cache_blocks"``,
     None, or the new blocks' ids) and what it changed (plain data); the
     returned object itself rides along for ``_restore`` but is neither
-    compared nor pickled."""
+    compared nor pickled.  ``by_count``: the new blocks as counts per group,
+    the request's blocks as counts and the free blocks as a change, which is
+    what a planned call and vLLM's method on a rebuilt manager can share
+    (their block ids differ)."""
 
-    def __init__(self, manager: Any, result: Any, before: Any, after: Any) -> None:
+    def __init__(self, manager: Any, result: Any, before: Any, after: Any,
+                 by_count: bool = False) -> None:
         self.returned = ("empty_kv_cache_blocks" if result is manager.empty_kv_cache_blocks
                          else None if result is None else result.get_block_ids())
+        if by_count:
+            if isinstance(self.returned, tuple):
+                self.returned = tuple(len(group) for group in self.returned)
+            before, after = (_by_count(before), after[1] - before[1]), (_by_count(after), 0)
         self.changed = None if before == after else (before, after)
         self.result = result
 
@@ -354,23 +390,35 @@ class _Answer:
 
 def _outcome(inputs: dict[str, Any], result: Any, self: Any, request: Any,
              *args: Any, **kwargs: Any) -> _Answer:
-    return _Answer(self, result, inputs["before"], _state(self, request.request_id))
+    after = _state(self, request.request_id)
+    if _counted("direct_allocations") != inputs["direct_calls"]:
+        # A planned call: what vLLM's method is to run on (``_run``), a
+        # manager and request rebuilt as they were before it (the call
+        # changed neither the request nor the manager's sizes).
+        inputs["planned"] = _for_reproducer(inputs)
+        return _Answer(self, result, inputs["before"], after, by_count=True)
+    return _Answer(self, result, inputs["before"], after)
 
 
 def _run(function: Any, inputs: dict[str, Any]) -> _Answer:
     """``function`` on the LIVE manager and request (``_snapshot``'s), right
-    after fastbatch's answer: fastbatch answered "nothing to allocate, nothing
-    changes", so vLLM's method, run now, sees the state it would have seen,
-    and where fastbatch was right it changes nothing; where it was wrong, what
-    vLLM's method did is its result, in place.  On a reproducer's inputs
-    (``_for_reproducer``) it runs on a manager and request rebuilt from them."""
-    if "manager" in inputs:
+    after fastbatch's "nothing to allocate, nothing changes": vLLM's method,
+    run now, sees the state it would have seen, and where fastbatch was right
+    it changes nothing; where it was wrong, what vLLM's method did is its
+    result, in place.  After a planned call (new blocks or caching asked of
+    vLLM's coordinator) it runs on a small manager and request rebuilt as
+    they were before the call (``_rebuild``), compared by counts.  On a
+    reproducer's inputs (``_for_reproducer``) it runs on a rebuild of them."""
+    by_count = "planned" in inputs
+    if by_count:
+        manager, request, arguments = _rebuild(inputs["planned"], small=True)
+    elif "manager" in inputs:
         manager, request, arguments = inputs["manager"], inputs["request"], inputs["arguments"]
     else:
         manager, request, arguments = _rebuild(inputs)
     before = _state(manager, request.request_id)
     result = function(manager, request, **arguments)
-    return _Answer(manager, result, before, _state(manager, request.request_id))
+    return _Answer(manager, result, before, _state(manager, request.request_id), by_count)
 
 
 def _compare(ours: _Answer, stock: _Answer) -> str | None:
@@ -382,8 +430,12 @@ def _compare(ours: _Answer, stock: _Answer) -> str | None:
 def _restore(inputs: dict[str, Any], stock: _Answer, result: Any, *args: Any,
              **kwargs: Any) -> Any:
     """vLLM's method already ran on the live state (``_run``): what it
-    changed stands; the call returns what it returned."""
-    return stock.result
+    changed stands; the call returns what it returned.  After a planned call
+    vLLM's method ran on a rebuild: the blocks that vLLM's coordinator
+    allocated and cached for fastbatch's plan stand (nothing of the live
+    state can be rolled back), the call returns them, and the piece runs
+    vLLM's method from the next call on."""
+    return result if "planned" in inputs else stock.result
 
 
 def _for_reproducer(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -421,12 +473,16 @@ def _for_reproducer(inputs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _rebuild(inputs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+def _rebuild(inputs: dict[str, Any], small: bool = False) -> tuple[Any, Any, dict[str, Any]]:
     """A fresh manager of the reproducer's config and a request in the
     recorded state: its blocks (fresh ones, as many as it held), cached
     block count, counters and status, and other blocks taken so that the
     free count is the recorded one; and the call's arguments.  Block ids and
-    hashes are the rebuild's own; vLLM's decision does not depend on them."""
+    hashes are the rebuild's own; vLLM's decision does not depend on them.
+    ``small``: a pool of only the blocks held and at most ``reserved_blocks +
+    num_new_tokens + num_lookahead_tokens + 2`` free ones (more than the call
+    can need, and cheap to build where the engine's pool is large); compare
+    the free count's change, not its value."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -434,7 +490,15 @@ def _rebuild(inputs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     from vllm.v1.request import Request, RequestStatus
 
     reprefillable = inputs["num_reprefillable_tokens"]
-    manager = KVCacheManager(inputs["kv_cache_config"], max_model_len=inputs["max_model_len"],
+    config, free_blocks = inputs["kv_cache_config"], inputs["free_blocks"]
+    if small:
+        arguments = inputs["arguments"]
+        free_blocks = min(free_blocks, arguments.get("reserved_blocks", 0)
+                          + arguments["num_new_tokens"]
+                          + arguments.get("num_lookahead_tokens", 0) + 2)
+        held = sum(len(blocks) for blocks, _, _ in inputs["groups"] if blocks)
+        config = dataclasses.replace(config, num_blocks=1 + held + free_blocks)
+    manager = KVCacheManager(config, max_model_len=inputs["max_model_len"],
                              scheduler_block_size=inputs["scheduler_block_size"],
                              hash_block_size=inputs["hash_block_size"],
                              enable_caching=inputs["enable_caching"],
@@ -456,7 +520,7 @@ def _rebuild(inputs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     pool = manager.block_pool
     held = {block_id for blocks, _, _ in inputs["groups"] if blocks for block_id in blocks}
     held.discard(pool.null_block.block_id)
-    pool.get_new_blocks(max(0, pool.get_num_free_blocks() - inputs["free_blocks"] - len(held)))
+    pool.get_new_blocks(max(0, pool.get_num_free_blocks() - free_blocks - len(held)))
     for single, (blocks, cached, _) in zip(manager.coordinator.single_type_managers,
                                            inputs["groups"], strict=True):
         if blocks is not None:
