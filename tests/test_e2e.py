@@ -281,6 +281,8 @@ def test_fastbatch_gives_stock_tokens_and_really_ran(generate):
     assert stats["update_from_output"]["fast_outputs"] > 100
     assert stats["after_schedule"]["requests"] > 100
     assert stats["cached_requests"]["requests"] > 100
+    # ...and scheduled its running requests in the compiled loop.
+    assert stats["schedule_running"]["requests"] > 100
 
     # The output history mattered: penalties changed outputs, bad words held.
     changed = [label for label, ids, plain in zip(

@@ -48,7 +48,7 @@ from vllm.v1.request import RequestStatus
 
 import fastbatch
 from fastbatch import _kernels, _reference, _verify, registry, vllm_plugin
-from fastbatch.patches import after_schedule, allocate_slots, cached_requests
+from fastbatch.patches import after_schedule, allocate_slots, cached_requests, schedule_running
 from fastbatch.patches import update_from_output as patch
 from leaks import assert_no_leak
 
@@ -68,9 +68,11 @@ def make_fast(workload: lockstep.Workload):
 
 def make_fast_with_every_scheduler_piece(workload: lockstep.Workload):
     """As ``FASTBATCH=1`` leaves a scheduler: this piece with ``allocate_slots``,
-    ``after_schedule`` and ``cached_requests``."""
+    ``after_schedule``, ``cached_requests`` and ``schedule_running``."""
     scheduler = make_fast(workload)
     allocate_slots.bind()
+    schedule_running.bind()
+    scheduler.schedule = MethodType(schedule_running.schedule, scheduler)
     manager = scheduler.kv_cache_manager
     manager.allocate_slots = MethodType(allocate_slots.allocate_slots, manager)
     after = (after_schedule._update_after_schedule_async if workload.async_scheduling
@@ -82,7 +84,7 @@ def make_fast_with_every_scheduler_piece(workload: lockstep.Workload):
 
 
 SCHEDULER_PIECES = ("after_schedule", "allocate_slots", "cached_requests",
-                    "update_from_output")
+                    "schedule_running", "update_from_output")
 
 
 def idle(stats, names=SCHEDULER_PIECES):

@@ -121,6 +121,17 @@ def _first_taken_token_off(result, scheduler, *rest):
         request._all_token_ids[-1] = request._output_token_ids[-1]
 
 
+def _budget_token_short(result, scheduler, req_index, token_budget, input_budget, draft_slots,
+                        threshold, defer_prefills, prefill_scheduled, drafts_needed,
+                        scheduled_running_reqs, *rest):
+    """The token budget one short after a loop that scheduled more than
+    ``BIG_BATCH`` requests (the activation check's batches have ten)."""
+    if len(scheduled_running_reqs) > BIG_BATCH:
+        index, budget, inputs, prefill, drafts = result
+        return index, budget - 1, inputs, prefill, drafts
+    return None
+
+
 def _late_cumulative_logprob_off(result, processor, *rest):
     """A request's cumulative logprob one off once it has more than
     ``LATE_TOKENS`` positions (the activation check's have at most nine)."""
@@ -157,6 +168,7 @@ BUGS: dict[str, Callable[[], None]] = {
     "parse_output": lambda: _wrap("rejection_output_lists", _last_accepted_id_dropped),
     "draft_token_ids": lambda: _wrap("draft_token_lists", _first_draft_id_flipped),
     "update_from_output": lambda: _wrap("take_decode_outputs", _first_taken_token_off),
+    "schedule_running": lambda: _wrap("schedule_running_requests", _budget_token_short),
     "update_sample_logprobs": lambda: _wrap("update_sample_logprobs",
                                             _late_cumulative_logprob_off),
 }

@@ -112,20 +112,6 @@ cdef inline bint _is_int_zero(object value) noexcept:
     return _as_index(value, &number) and number == 0
 
 
-# What ``_plan`` finds vLLM's method would do (flags; ``_STOCK`` alone: vLLM decides).
-cdef enum:
-    _STOCK = -1
-    _NOTHING = 0      # return empty_kv_cache_blocks, change nothing
-    _ALLOCATE = 1     # new blocks for the new tokens and lookahead slots
-    _CACHE = 2        # full blocks of committed tokens to cache
-
-
-cdef struct _Counts:
-    Py_ssize_t need_slots     # num_tokens_need_slot
-    Py_ssize_t main_tokens    # num_tokens_main_model
-    Py_ssize_t to_cache       # num_tokens_to_cache
-
-
 cdef int _plan(object manager, object request, object num_new_tokens, object reserved_blocks,
                Py_ssize_t lookahead, _Kinds kinds, _Counts* counts) except -2:
     cdef Py_ssize_t new_tokens, reserved, computed, max_model_len, block_size
@@ -234,7 +220,6 @@ def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
     to cache, and the result of ``create_kv_cache_blocks``.  vLLM's method
     (``bind``) with the same arguments for every other call.
     """
-    global _noop_allocations, _noop_lookahead_allocations, _direct_allocations
     global _stock_allocations
     cdef Py_ssize_t lookahead = 0
     cdef int plan = _STOCK
@@ -249,11 +234,6 @@ def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
             and full_sequence_must_fit is False):
         plan = _plan(self, request, num_new_tokens, reserved_blocks, lookahead, _bound_kinds,
                      &counts)
-    if plan == _NOTHING:
-        _noop_allocations += 1
-        if lookahead:
-            _noop_lookahead_allocations += 1
-        return self.empty_kv_cache_blocks
     if plan == _STOCK:
         _stock_allocations += 1
         return _stock(self, request, num_new_tokens, num_new_computed_tokens,
@@ -261,8 +241,21 @@ def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
                       num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens,
                       full_sequence_must_fit, reserved_blocks, has_scheduled_reqs,
                       skip_zeroing_group_ids)
+    return _act(self, request, plan, lookahead, &counts, num_encoder_tokens)
+
+
+cdef object _act(object manager, object request, int plan, Py_ssize_t lookahead,
+                 _Counts* counts, object num_encoder_tokens):
+    """What vLLM's method does for a call that ``_plan`` took (``plan`` is not
+    ``_STOCK``): nothing, or the coordinator's two calls; counted."""
+    global _noop_allocations, _noop_lookahead_allocations, _direct_allocations
+    if plan == _NOTHING:
+        _noop_allocations += 1
+        if lookahead:
+            _noop_lookahead_allocations += 1
+        return manager.empty_kv_cache_blocks
     _direct_allocations += 1
-    coordinator = self.coordinator
+    coordinator = manager.coordinator
     new_blocks = None
     if plan & _ALLOCATE:
         new_blocks = coordinator.allocate_new_blocks(request.request_id, counts.need_slots,
@@ -270,8 +263,30 @@ def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
     if plan & _CACHE:
         coordinator.cache_blocks(request, counts.to_cache)
     if new_blocks is None:
-        return self.empty_kv_cache_blocks
-    return self.create_kv_cache_blocks(new_blocks)
+        return manager.empty_kv_cache_blocks
+    return manager.create_kv_cache_blocks(new_blocks)
+
+
+cdef object allocate_decode(object manager, object request, object num_new_tokens,
+                            object num_lookahead_tokens, bint act):
+    """The scheduler's decode call ``manager.allocate_slots(request,
+    num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)``, every other
+    argument at its default: None (nothing done) where vLLM's method is
+    needed (``_plan`` does not take it, or nothing is bound); else, with
+    ``act``, what ``allocate_slots`` returns for it (and counts), without,
+    True (nothing done: the call will not return None)."""
+    cdef Py_ssize_t lookahead = 0
+    cdef _Counts counts
+    if _bound_kinds is None:
+        return None
+    if not (_as_index(num_lookahead_tokens, &lookahead) and lookahead >= 0):
+        return None
+    plan = _plan(manager, request, num_new_tokens, 0, lookahead, _bound_kinds, &counts)
+    if plan == _STOCK:
+        return None
+    if not act:
+        return True
+    return _act(manager, request, plan, lookahead, &counts, 0)
 
 
 def allocate_slots_is_noop(manager, request, num_new_tokens, reserved_blocks, kinds,

@@ -233,17 +233,25 @@ def allocate_slots(self: Any, request: Any, num_new_tokens: int,
             and full_sequence_must_fit is False):
         plan, need_slots, main_tokens, to_cache = _plan(
             self, request, num_new_tokens, reserved_blocks, num_lookahead_tokens, kinds)
-    if plan == NOTHING:
-        _count_noop(num_lookahead_tokens)
-        return self.empty_kv_cache_blocks
     if plan == STOCK:
         _COUNTERS.values["stock_allocations"] += 1
         return stock(self, request, num_new_tokens, num_new_computed_tokens,
                      new_computed_blocks, num_lookahead_tokens, num_external_computed_tokens,
                      delay_cache_blocks, num_encoder_tokens, full_sequence_must_fit,
                      reserved_blocks, has_scheduled_reqs, skip_zeroing_group_ids)
+    return _act(self, request, plan, num_lookahead_tokens, need_slots, main_tokens, to_cache,
+                num_encoder_tokens)
+
+
+def _act(manager: Any, request: Any, plan: int, num_lookahead_tokens: int, need_slots: int,
+         main_tokens: int, to_cache: int, num_encoder_tokens: Any) -> Any:
+    """What vLLM's method does for a call that ``_plan`` took (``plan`` is not
+    ``STOCK``): nothing, or the coordinator's two calls; counted."""
+    if plan == NOTHING:
+        _count_noop(num_lookahead_tokens)
+        return manager.empty_kv_cache_blocks
     _COUNTERS.values["direct_allocations"] += 1
-    coordinator = self.coordinator
+    coordinator = manager.coordinator
     new_blocks = None
     if plan & ALLOCATE:
         new_blocks = coordinator.allocate_new_blocks(request.request_id, need_slots,
@@ -251,8 +259,29 @@ def allocate_slots(self: Any, request: Any, num_new_tokens: int,
     if plan & CACHE:
         coordinator.cache_blocks(request, to_cache)
     if new_blocks is None:
-        return self.empty_kv_cache_blocks
-    return self.create_kv_cache_blocks(new_blocks)
+        return manager.empty_kv_cache_blocks
+    return manager.create_kv_cache_blocks(new_blocks)
+
+
+def _allocate_decode(manager: Any, request: Any, num_new_tokens: Any,
+                    num_lookahead_tokens: Any, act: bool) -> Any:
+    """The scheduler's decode call ``manager.allocate_slots(request,
+    num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)``, every other
+    argument at its default: None (nothing done) where vLLM's method is
+    needed (``_plan`` does not take it, or nothing is bound); else, with
+    ``act``, what ``allocate_slots`` returns for it (and counts), without,
+    True (nothing done: the call will not return None).  The twin of the
+    compiled piece's C function ``allocate_decode`` (for ``schedule_running``)."""
+    if _BOUND is None or not _is_lookahead(num_lookahead_tokens):
+        return None
+    plan, need_slots, main_tokens, to_cache = _plan(
+        manager, request, num_new_tokens, 0, num_lookahead_tokens, _BOUND[1])
+    if plan == STOCK:
+        return None
+    if not act:
+        return True
+    return _act(manager, request, plan, num_lookahead_tokens, need_slots, main_tokens,
+                to_cache, 0)
 
 
 def allocate_slots_is_noop(manager: Any, request: Any, num_new_tokens: Any,

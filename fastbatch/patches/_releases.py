@@ -34,6 +34,9 @@ RELEASES: dict[str, tuple[str, ...]] = {
     "vllm.v1.core.sched.scheduler.Scheduler._update_after_schedule": (
         "0.31.0", "0.32.0", "0.33.0",
     ),
+    "vllm.v1.core.sched.scheduler.Scheduler.schedule": (
+        "0.32.0", "0.33.0",
+    ),
     "vllm.v1.core.sched.scheduler.Scheduler.update_from_output": (
         "0.32.0", "0.33.0",
     ),

@@ -1,0 +1,192 @@
+# Compiler directives are set in setup.py (one place, with a debug switch).
+"""Compiled piece ``schedule_running``: the running-request loop of vLLM's
+``Scheduler.schedule`` for the requests it can take.
+
+The same effects, checks and counters as ``fastbatch._reference.schedule_running``
+(see its module note): requests are taken from ``req_index`` on, in order,
+while each is one the loop can follow; at the first that is not, it returns,
+and vLLM's own loop goes on from there with the locals returned.  The KV
+slots come from ``allocate_slots``' plan (``allocate_decode``): a request
+whose allocation vLLM's method must do is never started here.
+"""
+
+__all__ = ["schedule_running_requests"]
+
+from cpython.object cimport PyObject
+from cpython.method cimport PyMethod_Check, PyMethod_GET_FUNCTION, PyMethod_GET_SELF
+from libc.stdint cimport uint64_t
+
+from fastbatch._kernels._common cimport PyLong_CheckExact, long_as_compact
+from fastbatch._kernels.allocate_slots cimport allocate_decode
+
+cdef uint64_t _requests = 0
+cdef uint64_t _skipped = 0
+cdef uint64_t _handed_over = 0
+
+
+def stats():
+    """This piece's counters since import or the last ``reset_stats()``."""
+    return {"requests": _requests, "skipped": _skipped, "handed_over": _handed_over}
+
+
+def reset_stats():
+    """Set every counter of ``stats()`` back to zero."""
+    global _requests, _skipped, _handed_over
+    _requests = _skipped = _handed_over = 0
+
+
+cdef inline bint _index(object value, Py_ssize_t* out) noexcept:
+    """True, with the value, for an exact int of up to one digit."""
+    cdef long long number
+    if not PyLong_CheckExact(<PyObject*>value):
+        return False
+    if not long_as_compact(<PyObject*>value, &number):
+        return False
+    out[0] = <Py_ssize_t>number
+    return True
+
+
+def schedule_running_requests(scheduler, req_index, token_budget, input_budget, draft_slots,
+                              long_prefill_token_threshold, defer_prefills, prefill_scheduled,
+                              drafts_needed, scheduled_running_reqs, req_to_new_blocks,
+                              num_scheduled_tokens, scheduled_spec_decode_tokens, kinds):
+    """vLLM's running-request loop from ``req_index`` for the requests it can
+    take; ``(req_index, token_budget, input_budget, prefill_scheduled,
+    drafts_needed)`` as the loop leaves them (``drafts_needed`` None: vLLM
+    0.32.0's loop, which has none).  ``kinds``: ``(Request, the compiled
+    allocate_slots)``."""
+    global _requests, _skipped, _handed_over
+    cdef Py_ssize_t index, budget, inputs, slots, threshold, current_step, max_model_len
+    cdef Py_ssize_t sampled_per_step, prefill_lookahead, placeholders, computed
+    cdef Py_ssize_t prompt_tokens, max_tokens = 0, eligible_step, num_new
+    cdef Py_ssize_t num_tokens, remaining, spec_count, num_spec
+    cdef bint any_prefill, unused, direct
+    unchanged = (req_index, token_budget, input_budget, prefill_scheduled, drafts_needed)
+    if type(kinds) is not tuple or len(<tuple>kinds) != 2:
+        raise TypeError("kinds must be a tuple (Request, allocate_slots)")
+    request_type, kernel = <tuple>kinds
+    if not (_index(req_index, &index) and _index(token_budget, &budget)
+            and _index(input_budget, &inputs) and _index(draft_slots, &slots)
+            and _index(long_prefill_token_threshold, &threshold)):
+        return unchanged
+    if (type(defer_prefills) is not bool or type(prefill_scheduled) is not bool
+            or not (drafts_needed is None or type(drafts_needed) is bool)
+            or type(scheduled_running_reqs) is not list or type(req_to_new_blocks) is not dict
+            or type(num_scheduled_tokens) is not dict
+            or type(scheduled_spec_decode_tokens) is not dict):
+        return unchanged
+    running = scheduler.running
+    if type(running) is not list:
+        return unchanged
+    if (scheduler.ec_connector is not None
+            or scheduler.need_mamba_block_aligned_split is not False):
+        return unchanged
+    if not (_index(scheduler.current_step, &current_step)
+            and _index(scheduler.max_model_len, &max_model_len)
+            and _index(scheduler.num_sampled_tokens_per_step, &sampled_per_step)
+            and _index(scheduler.num_prefill_lookahead, &prefill_lookahead)):
+        return unchanged
+    lookahead_tokens = scheduler.num_lookahead_tokens
+    manager = scheduler.kv_cache_manager
+    allocate = manager.allocate_slots
+    # The compiled allocate_slots bound to this manager: its planned call
+    # directly; anything else (vLLM's method, the FASTBATCH_VERIFY check, a
+    # wrapper) is called as vLLM calls it, only for a call the plan takes.
+    direct = (PyMethod_Check(allocate) and <object>PyMethod_GET_FUNCTION(allocate) is kernel
+              and <object>PyMethod_GET_SELF(allocate) is manager)
+    any_prefill = prefill_scheduled
+    while index < len(<list>running) and budget > 0:
+        request = (<list>running)[index]
+        if inputs <= slots or type(request) is not request_type:
+            break
+        if not (_index(request.num_output_placeholders, &placeholders)
+                and _index(request.num_computed_tokens, &computed)):
+            break
+        if placeholders > 0:
+            # Async scheduling: the step that reaches max_tokens is in flight.
+            if not (_index(request.num_prompt_tokens, &prompt_tokens)
+                    and _index(request.max_tokens, &max_tokens)):
+                break
+            if computed + 2 - placeholders >= prompt_tokens + max_tokens:
+                index += 1
+                _skipped += 1
+                continue
+        if not _index(request.next_decode_eligible_step, &eligible_step):
+            break
+        if current_step < eligible_step:
+            index += 1
+            _skipped += 1
+            continue
+        is_prefill_chunk = request.is_prefill_chunk
+        if type(is_prefill_chunk) is not bool:
+            break
+        if defer_prefills and is_prefill_chunk:
+            index += 1
+            _skipped += 1
+            continue
+        token_ids = request._all_token_ids
+        spec_token_ids = request.spec_token_ids
+        if type(token_ids) is not list or type(spec_token_ids) is not list:
+            break
+        num_tokens = len(<list>token_ids)
+        num_new = num_tokens + len(<list>spec_token_ids) + placeholders - computed
+        if 0 < threshold < num_new:
+            num_new = threshold
+        num_new = min(num_new, budget, inputs - slots)
+        num_new = min(num_new, max_model_len - computed - sampled_per_step)
+        # Request.has_encoder_inputs (num_encoder_inputs = len(mm_features) > 0):
+        # encoder inputs go to vLLM's loop.
+        mm_features = request.mm_features
+        if type(mm_features) is not list or len(<list>mm_features) > 0:
+            break
+        # Scheduler._reserve_prefill_lookahead.
+        remaining = num_tokens - computed - num_new
+        if 0 < remaining < prefill_lookahead:
+            num_new -= prefill_lookahead - remaining
+        num_new = max(num_new, 0)
+        if num_new == 0:
+            index += 1
+            _skipped += 1
+            continue
+        output_token_ids = request._output_token_ids
+        request_id = request.request_id
+        if drafts_needed is not None and (type(output_token_ids) is not list
+                                          or not _index(request.max_tokens, &max_tokens)):
+            break
+        new_tokens = num_new
+        if direct:
+            new_blocks = allocate_decode(manager, request, new_tokens, lookahead_tokens, True)
+            if new_blocks is None:
+                break  # vLLM's method allocates (or preempts) in vLLM's loop
+        else:
+            if allocate_decode(manager, request, new_tokens, lookahead_tokens, False) is None:
+                break
+            new_blocks = allocate(request, new_tokens, num_lookahead_tokens=lookahead_tokens)
+        # Scheduled: nothing below can fail.
+        _requests += 1
+        (<list>scheduled_running_reqs).append(request)
+        any_prefill = any_prefill or is_prefill_chunk
+        (<dict>req_to_new_blocks)[request_id] = new_blocks
+        (<dict>num_scheduled_tokens)[request_id] = new_tokens
+        budget -= num_new
+        inputs -= num_new + slots
+        index += 1
+        if drafts_needed is False:
+            # not Scheduler._drafts_unused(request, computed, num_new)
+            if computed + num_new < num_tokens:
+                unused = True
+            else:
+                unused = (len(<list>output_token_ids) + 1 + (placeholders > 0)
+                          >= max_tokens)
+            drafts_needed = not unused
+        if spec_token_ids:
+            num_spec = num_new + computed - num_tokens - placeholders
+            if num_spec > 0:
+                spec_count = len(<list>spec_token_ids)
+                if spec_count > num_spec:
+                    spec_token_ids = (<list>spec_token_ids)[:num_spec]
+                (<dict>scheduled_spec_decode_tokens)[request_id] = spec_token_ids
+            request.spec_token_ids = []
+    if index < len(<list>running) and budget > 0 and inputs > slots:
+        _handed_over += 1
+    return index, budget, inputs, any_prefill, drafts_needed

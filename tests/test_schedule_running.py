@@ -1,0 +1,371 @@
+"""Piece ``schedule_running``: ``Scheduler.schedule``'s running-request loop, compiled.
+
+Against the REAL vLLM 0.33.0 scheduler (tox -e vllm), no model: the lockstep
+harness (``scheduler_lockstep``) drives a stock scheduler and one whose
+``schedule`` is fastbatch's (vLLM's own method compiled from its source with
+the compiled loop's call added before vLLM's loop), with the same requests
+and model outputs, and compares scheduler outputs, engine-core outputs, the
+whole KV-cache state and every request after every step, over every plain
+and spec-decoding workload (async placeholders at ``max_tokens``, chunked
+prefills, preemption, arrivals, block boundaries, lookahead slots, drafts
+verified in part, Model Runner V2's branches); with ``allocate_slots``' own
+method on the manager (the planned calls made directly) and with vLLM's
+(called as vLLM calls it), and with the pure-Python twin.
+``FASTBATCH_LOCKSTEP_STEPS`` sets the total number of steps (default 2,000).
+
+Also: the source transform and vLLM's loop taken from the source; compiled vs
+twin on real requests; the hand-over at a request the loop does not follow;
+profiling scopes on; the guard, the activation check (it refuses a planted
+bug), bad input, leaks; the plugin; ``FASTBATCH_VERIFY`` (no false divergence
+in lockstep, a planted bug caught and vLLM's loop's result in place).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from types import MethodType
+
+import pytest
+import scheduler_lockstep as lockstep
+from vllm.v1.core.sched.scheduler import Scheduler
+
+import fastbatch
+from fastbatch import _kernels, _reference, registry
+from fastbatch._kernels import schedule_running as compiled_piece
+from fastbatch._reference import schedule_running as twin_piece
+from fastbatch.patches import allocate_slots
+from fastbatch.patches import schedule_running as patch
+from leaks import assert_no_leak
+
+pytestmark = pytest.mark.vllm
+STOCK = Scheduler.schedule
+TOTAL_STEPS = int(os.environ.get("FASTBATCH_LOCKSTEP_STEPS", "2000"))
+ALL_WORKLOADS = lockstep.WORKLOADS + lockstep.SPEC_WORKLOADS
+STEPS_PER_WORKLOAD = max(1, TOTAL_STEPS // len(lockstep.WORKLOADS))
+IDLE = {"requests": 0, "skipped": 0, "handed_over": 0}
+
+
+@pytest.fixture(autouse=True)
+def _bound_to_vllm():
+    """The piece built from vLLM's own method (and allocate_slots' plan bound)."""
+    patch.bind(STOCK)
+    allocate_slots.bind()
+    with _profiling_scopes_set():
+        yield
+    patch.bind(STOCK)
+    allocate_slots.bind()
+
+
+@contextlib.contextmanager
+def _profiling_scopes_set():
+    """vLLM's profiling switch as a first ``record_function_or_nullcontext``
+    call leaves it (nullcontext: no profiler)."""
+    from vllm.v1 import utils
+
+    utils.record_function_or_nullcontext("fastbatch test")
+    yield
+
+
+def make_fast(workload, piece=compiled_piece, allocate=True):
+    """A scheduler whose own ``schedule`` is fastbatch's with ``piece`` (the
+    class stays stock); with ``allocate``, its KV manager's ``allocate_slots``
+    the compiled piece's (the planned calls are then made directly)."""
+    scheduler = lockstep.make_scheduler(workload)
+    if piece is compiled_piece:
+        scheduler.schedule = MethodType(patch.schedule, scheduler)
+    else:
+        built = patch.transformed(STOCK, lambda self, *arguments: piece.schedule_running_requests(
+            self, *arguments, (patch._KINDS[0], _reference.allocate_slots.allocate_slots)))
+        scheduler.schedule = MethodType(built, scheduler)
+    if allocate:
+        manager = scheduler.kv_cache_manager
+        allocate_piece = (allocate_slots.allocate_slots if piece is compiled_piece
+                          else _reference.allocate_slots.allocate_slots)
+        if piece is not compiled_piece:
+            _reference.allocate_slots.bind(STOCK_ALLOCATE, allocate_slots.kinds())
+        manager.allocate_slots = MethodType(allocate_piece, manager)
+    return scheduler
+
+
+def _reset():
+    _kernels.reset_stats()
+    _reference.reset_stats()
+
+
+@pytest.mark.parametrize("workload", ALL_WORKLOADS, ids=lambda w: w.name)
+def test_lockstep_fast_loop_matches_stock(workload):
+    _reset()
+    harness = lockstep.Lockstep(workload, seed=17, make_fast=make_fast)
+    harness.run(STEPS_PER_WORKLOAD)  # raises Divergence at the first difference
+    counters = fastbatch.stats()["schedule_running"]
+    assert counters["requests"] > 0  # the compiled loop scheduled requests
+    assert fastbatch.stats()["allocate_slots"]["noop_allocations"] > 0
+    assert twin_piece.stats() == IDLE
+    if workload.name.endswith("preemption"):
+        assert harness.preemptions > 0
+
+
+@pytest.mark.parametrize("workload", [lockstep.WORKLOADS[1], lockstep.SPEC_WORKLOADS[-1]],
+                         ids=lambda w: w.name)
+def test_lockstep_with_vllms_allocate_slots(workload):
+    """``allocate_slots`` left stock: the loop calls vLLM's method, as vLLM's
+    loop does, for the calls the plan takes."""
+    _reset()
+    lockstep.Lockstep(workload, seed=4,
+                      make_fast=lambda w: make_fast(w, allocate=False)).run(STEPS_PER_WORKLOAD)
+    assert fastbatch.stats()["schedule_running"]["requests"] > 0
+    allocations = fastbatch.stats()["allocate_slots"]
+    assert allocations["noop_allocations"] == allocations["direct_allocations"] == 0
+
+
+@pytest.mark.parametrize("workload", ALL_WORKLOADS, ids=lambda w: w.name)
+def test_lockstep_with_every_scheduler_piece(workload):
+    """As ``FASTBATCH=1`` leaves a scheduler: the five scheduler pieces."""
+    from test_update_from_output import make_fast_with_every_scheduler_piece
+
+    _reset()
+    lockstep.Lockstep(workload, seed=9,
+                      make_fast=make_fast_with_every_scheduler_piece).run(STEPS_PER_WORKLOAD)
+    stats = fastbatch.stats()
+    assert stats["schedule_running"]["requests"] > 0
+    assert stats["update_from_output"]["fast_outputs"] > 0
+
+
+def test_lockstep_with_the_pure_python_twin():
+    _reset()
+    for workload in (lockstep.WORKLOADS[3], lockstep.SPEC_WORKLOADS[-2]):
+        lockstep.Lockstep(workload, seed=5,
+                          make_fast=lambda w: make_fast(w, twin_piece)).run(60)
+    assert twin_piece.stats()["requests"] > 0
+    assert compiled_piece.stats() == IDLE
+
+
+def test_source_transform_adds_one_call_before_vllms_loop():
+    import inspect
+
+    built = patch.transformed(STOCK, lambda *args: None)
+    assert built.__qualname__ == "Scheduler.schedule" and built.__doc__ == STOCK.__doc__
+    assert built.__globals__ is vars(inspect.getmodule(STOCK))  # vLLM's names, live
+    assert inspect.signature(built) == inspect.signature(STOCK)
+    assert built.__code__.co_freevars == (patch._HELPER,)
+    # vLLM's code at vLLM's lines (tracebacks point into vLLM's file).
+    assert built.__code__.co_firstlineno == STOCK.__code__.co_firstlineno
+    assert built.__code__.co_filename == STOCK.__code__.co_filename
+    loop = patch.vllm_running_loop(STOCK)
+    assert {"req_index", "token_budget", "input_budget", "draft_slots",
+            "scheduled_running_reqs"} <= set(loop.reads)
+    assert "drafts_needed" in loop.reads  # vLLM 0.33.0's loop
+
+    def without_loop(self):
+        req_index = 0
+        while req_index < 3:
+            req_index += 1
+
+    with pytest.raises(ValueError, match="loops"):
+        patch.transformed(without_loop, lambda *args: None)
+
+
+def test_activation_check_passes_and_refuses_a_planted_bug(monkeypatch):
+    assert patch.activation_check(STOCK, patch.schedule) is None
+
+    real = compiled_piece.schedule_running_requests
+
+    def one_budget_token_short(*args):
+        index, budget, inputs, prefill, drafts = real(*args)
+        return index, budget - 1, inputs, prefill, drafts
+
+    monkeypatch.setattr(fastbatch, "schedule_running_requests", one_budget_token_short)
+    problem = patch.activation_check(STOCK, patch.schedule)
+    assert problem is not None and "fastbatch left" in problem
+
+
+def test_activation_check_refuses_an_override(monkeypatch):
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    monkeypatch.setattr(AsyncScheduler, "_reserve_prefill_lookahead",
+                        lambda self, request, computed, new: new, raising=False)
+    problem = patch.activation_check(STOCK, patch.schedule)
+    assert problem is not None and "overrides" in problem
+
+
+@pytest.mark.parametrize("lookahead, prefill_lookahead, budget, defer",
+                         [(0, 0, 400, False), (3, 2, 400, True), (3, 0, 21, False),
+                          (1, 0, 5, True)])
+def test_compiled_matches_twin_and_vllm(lookahead, prefill_lookahead, budget, defer):
+    """The activation check's batches: vLLM's loop alone, then the compiled
+    loop and the twin each followed by vLLM's loop, leave the same state."""
+    has_drafts = "drafts_needed" in patch._VLLM_LOOP.reads
+    states = []
+    for function, allocate in ((None, allocate_slots.PATCH.original() or STOCK_ALLOCATE),
+                               (compiled_piece.schedule_running_requests,
+                                allocate_slots.allocate_slots),
+                               (twin_piece.schedule_running_requests,
+                                allocate_slots.allocate_slots)):
+        scheduler, state = patch._small_scheduler(Scheduler, allocate, lookahead=lookahead,
+                                                  prefill_lookahead=prefill_lookahead,
+                                                  budget=budget, defer_prefills=defer)
+        states.append(patch.run_loops(function, scheduler, state, has_drafts))
+    assert states[1] == states[0]
+    assert states[2] == states[0]
+
+
+def _scheduler_and_state(**settings):
+    scheduler, state = patch._small_scheduler(Scheduler, allocate_slots.allocate_slots,
+                                              lookahead=0, prefill_lookahead=0, budget=400)
+    for name, value in settings.items():
+        setattr(scheduler, name, value)
+    return scheduler, state
+
+
+def _arguments(state):
+    return (*(state[name] for name in patch.LOOP_ARGUMENTS[:8]), [], {}, {}, {})
+
+
+@pytest.mark.parametrize("piece", [compiled_piece, twin_piece], ids=["compiled", "twin"])
+def test_hands_over_at_a_request_it_does_not_follow(piece):
+    """A request with encoder inputs (the second): the loop returns at its
+    index, nothing done for it; vLLM's loop goes on from there."""
+    scheduler, state = _scheduler_and_state()
+    scheduler.running[1].mm_features = [object()]
+    before = piece.stats()
+    arguments = _arguments(state)
+    index, *_ = piece.schedule_running_requests(scheduler, *arguments, patch._KINDS)
+    assert index == 1
+    assert [request.request_id for request in arguments[8]] == ["decode"]
+    after = piece.stats()
+    assert after["handed_over"] - before["handed_over"] == 1
+    assert after["requests"] - before["requests"] == 1
+
+
+@pytest.mark.parametrize("piece", [compiled_piece, twin_piece], ids=["compiled", "twin"])
+@pytest.mark.parametrize("setting", [{"ec_connector": object()},
+                                     {"need_mamba_block_aligned_split": True},
+                                     {"running": tuple()}, {"current_step": 2**40}])
+def test_leaves_the_whole_loop_to_vllm(piece, setting):
+    scheduler, state = _scheduler_and_state(**setting)
+    arguments = _arguments(state)
+    result = piece.schedule_running_requests(scheduler, *arguments, patch._KINDS)
+    assert result == (0, 400, 440, False, False)
+    assert arguments[8:] == ([], {}, {}, {})
+
+
+@pytest.mark.parametrize("piece", [compiled_piece, twin_piece], ids=["compiled", "twin"])
+def test_bad_input(piece):
+    scheduler, state = _scheduler_and_state()
+    arguments = _arguments(state)
+    with pytest.raises(TypeError, match="kinds must be a tuple"):
+        piece.schedule_running_requests(scheduler, *arguments, list(patch._KINDS))
+    for position, value in ((0, 1.0), (1, 2**40), (5, 1), (7, 0), (8, ()), (9, [])):
+        bad = list(arguments)
+        bad[position] = value
+        result = piece.schedule_running_requests(scheduler, *bad, patch._KINDS)
+        assert result == tuple(bad[i] for i in (0, 1, 2, 6, 7))  # unchanged: vLLM's loop
+    assert arguments[8:] == ([], {}, {}, {})
+
+
+def test_profiling_scopes_on_leave_vllms_loop_with_its_scopes(monkeypatch):
+    from vllm.v1 import utils
+
+    scopes = []
+
+    @contextlib.contextmanager
+    def recorded(name):
+        scopes.append(name)
+        yield
+
+    monkeypatch.setattr(utils, "_PROFILER_FUNC", recorded)
+    _reset()
+    lockstep.Lockstep(lockstep.WORKLOADS[0], seed=2, make_fast=make_fast).run(20)
+    assert compiled_piece.stats()["requests"] == 0
+    assert "schedule: allocate_slots" in scopes
+
+
+def test_no_leaks():
+    scheduler, state = _scheduler_and_state()
+
+    def call():
+        for request in scheduler.running:
+            request.spec_token_ids = []
+        compiled_piece.schedule_running_requests(scheduler, *_arguments(state), patch._KINDS)
+
+    for _ in range(20):
+        call()
+    # Each call allocates for the same requests again: nothing new once held.
+    assert_no_leak(call, [scheduler], 200)
+
+
+def test_guard_accepts_this_vllm_and_refuses_a_changed_method():
+    import vllm
+
+    assert patch.PATCH.check_target(vllm.__version__, STOCK) is None
+
+    def schedule(self, throttle_prefills=False):
+        return None
+
+    assert "not a verified variant" in patch.PATCH.check_target(vllm.__version__, schedule)
+
+
+def test_plugin_applies_and_reverts():
+    piece = registry.piece("schedule_running")
+    assert piece.targets == ("vllm.v1.core.sched.scheduler.Scheduler.schedule",)
+    try:
+        assert piece.apply()
+        assert Scheduler.schedule is patch.schedule
+        assert piece.apply()  # idempotent
+    finally:
+        piece.revert()
+    assert Scheduler.schedule is STOCK
+
+
+# FASTBATCH_VERIFY ------------------------------------------------------------
+
+@pytest.fixture
+def verified(monkeypatch, tmp_path):
+    """The piece's checks on (``PATCH.verify_rate``), reproducers to tmp_path."""
+    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
+    monkeypatch.setattr(patch.PATCH, "verify_rate", 1.0)
+    monkeypatch.setattr(patch.PATCH, "checked", 0)
+    monkeypatch.setattr(patch.PATCH, "divergences", 0)
+    monkeypatch.setattr(patch.PATCH, "reproducers", [])
+    yield
+
+
+@pytest.mark.parametrize("workload", [lockstep.WORKLOADS[1], lockstep.WORKLOADS[4],
+                                      lockstep.SPEC_WORKLOADS[0], lockstep.SPEC_WORKLOADS[-1]],
+                         ids=lambda w: w.name)
+def test_verify_no_false_divergence_in_lockstep(verified, workload):
+    _reset()
+    lockstep.Lockstep(workload, seed=31, make_fast=make_fast).run(60)
+    assert patch.PATCH.checked > 0 and compiled_piece.stats()["requests"] > 0
+    assert patch.PATCH.divergences == 0 and patch.PATCH.reproducers == []
+
+
+def test_verify_planted_bug_is_caught_and_vllms_loop_result_stands(verified, monkeypatch,
+                                                                    logs):
+    real = compiled_piece.schedule_running_requests
+
+    def drops_the_drafts(*args):
+        """The compiled loop, then the drafts it scheduled forgotten."""
+        result = real(*args)
+        args[12].clear()
+        return result
+
+    monkeypatch.setattr(fastbatch, "schedule_running_requests", drops_the_drafts)
+    harness = lockstep.Lockstep(lockstep.SPEC_WORKLOADS[0], seed=3, make_fast=make_fast)
+    # vLLM's loop's result is put in place: the lockstep sees no difference.
+    while patch.PATCH.divergences == 0 and harness.steps < 200:
+        harness.step()
+    assert patch.PATCH.divergences == 1
+    (path,) = patch.PATCH.reproducers
+    assert os.path.dirname(path) == os.environ["FASTBATCH_VERIFY_DIR"]
+    (error,) = [line for line in logs.at(logging.ERROR) if "FASTBATCH_VERIFY" in line]
+    assert "'schedule_running'" in error
+    harness.run(20)  # vLLM's schedule from now on
+    # The reproducer is for reading: replaying it says so.
+    assert "for reading" in patch.PATCH.replay({"locals": {}, "requests": []})
+
+
+STOCK_ALLOCATE = allocate_slots.PATCH.original() or __import__(
+    "vllm.v1.core.kv_cache_manager", fromlist=["KVCacheManager"]).KVCacheManager.allocate_slots
