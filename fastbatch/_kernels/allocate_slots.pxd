@@ -15,5 +15,26 @@ cdef struct _Counts:
     Py_ssize_t to_cache       # num_tokens_to_cache
 
 
-cdef object allocate_decode(object manager, object request, object num_new_tokens,
+cdef class _Manager:
+    """What the plan reads of a KV-cache manager that is the same for every
+    request: its coordinator's one full-attention manager's block table,
+    pending partial hits and cached-block counts, the block pool (and its
+    free queue where the pool is vLLM's own class), sizes, and whether
+    caching applies."""
+    cdef object manager
+    cdef object coordinator
+    cdef object req_to_blocks
+    cdef object partial_hits
+    cdef object cached
+    cdef object pool
+    cdef object free_queue
+    cdef bint exact_pool
+    cdef bint caching
+    cdef Py_ssize_t max_model_len
+    cdef Py_ssize_t block_size
+    cdef Py_ssize_t reprefillable
+
+
+cdef _Manager manager_view(object manager)
+cdef object allocate_decode(_Manager view, object request, Py_ssize_t num_new_tokens,
                             object num_lookahead_tokens, bint act)

@@ -112,56 +112,99 @@ cdef inline bint _is_int_zero(object value) noexcept:
     return _as_index(value, &number) and number == 0
 
 
-cdef int _plan(object manager, object request, object num_new_tokens, object reserved_blocks,
-               Py_ssize_t lookahead, _Kinds kinds, _Counts* counts) except -2:
-    cdef Py_ssize_t new_tokens, reserved, computed, max_model_len, block_size
-    cdef Py_ssize_t free_blocks, hash_block_size, num_tokens, reprefillable, num_cached
-    cdef Py_ssize_t total_computed, need_slots, cacheable, to_cache, blocks_needed
-    cdef int plan = _NOTHING
+cdef class _Manager:
+    """What ``_plan`` reads of a KV-cache manager that is the same for every
+    request (see the .pxd), read once by ``manager_view``."""
+
+    def __cinit__(self):
+        self.manager = self.coordinator = self.req_to_blocks = self.partial_hits = None
+        self.cached = self.pool = self.free_queue = None
+
+
+cdef _Manager _view(object manager, _Kinds kinds):
+    """``manager`` as ``_plan`` reads it, or None where vLLM's method decides
+    every call (not the plain classes, one full-attention group, ints...)."""
+    cdef Py_ssize_t max_model_len, block_size, hash_block_size, reprefillable = 0
     if type(manager) is not kinds.manager:
-        return _STOCK
-    if not (_as_index(num_new_tokens, &new_tokens) and _as_index(reserved_blocks, &reserved)):
-        return _STOCK
+        return None
     coordinator = manager.coordinator
     coordinator_type = type(coordinator)
     for kind in kinds.coordinators:
         if coordinator_type is kind:
             break
     else:
-        return _STOCK
+        return None
     singles = coordinator.single_type_managers
     if type(singles) is not tuple or len(<tuple>singles) != 1:
-        return _STOCK
+        return None
     single = (<tuple>singles)[0]
-    if type(single) is not kinds.single or request.status is not kinds.running:
-        return _STOCK
-    request_id = request.request_id
+    if type(single) is not kinds.single:
+        return None
     req_to_blocks = single.req_to_blocks
     if not isinstance(req_to_blocks, dict):
+        return None
+    if not (_as_index(manager.max_model_len, &max_model_len)
+            and _as_index(single.block_size, &block_size)) or block_size <= 0:
+        return None
+    pool = single.block_pool
+    if pool is not manager.block_pool:
+        return None
+    cdef bint caching = False
+    cached = None
+    if single.enable_caching:
+        if not _as_index(pool.hash_block_size, &hash_block_size):
+            return None
+        if block_size != hash_block_size:
+            return None
+        spec = single.kv_cache_spec
+        # The pinned KVCacheSpec.prefix_cacheable of vLLM's full-attention spec is True.
+        if type(spec) is kinds.spec or spec.prefix_cacheable:
+            if not _as_index(coordinator.num_reprefillable_tokens, &reprefillable):
+                return None
+            cached = single.num_cached_block
+            if not isinstance(cached, dict):
+                return None
+            caching = True
+    cdef _Manager view = _Manager.__new__(_Manager)
+    view.manager, view.coordinator, view.req_to_blocks = manager, coordinator, req_to_blocks
+    view.partial_hits, view.cached, view.pool = single._partial_hit_reqs, cached, pool
+    view.exact_pool = type(pool) is kinds.pool
+    view.free_queue = pool.free_block_queue if view.exact_pool else None
+    view.max_model_len, view.block_size = max_model_len, block_size
+    view.reprefillable = reprefillable
+    view.caching = caching
+    return view
+
+
+cdef int _plan(_Manager view, object request, Py_ssize_t new_tokens, Py_ssize_t reserved,
+               Py_ssize_t lookahead, _Kinds kinds, _Counts* counts) except -2:
+    """What vLLM's method would do for this decode call (``_STOCK``: it
+    decides), with the counts of its two calls."""
+    cdef Py_ssize_t computed, free_blocks, num_tokens, num_cached, block_size
+    cdef Py_ssize_t total_computed, need_slots, cacheable, to_cache, blocks_needed
+    cdef int plan = _NOTHING
+    if request.status is not kinds.running:
         return _STOCK
-    blocks = (<dict>req_to_blocks).get(request_id)
-    if type(blocks) is not list or request_id in single._partial_hit_reqs:
+    request_id = request.request_id
+    blocks = (<dict>view.req_to_blocks).get(request_id)
+    if type(blocks) is not list or request_id in view.partial_hits:
         return _STOCK
-    if not (_as_index(request.num_computed_tokens, &computed)
-            and _as_index(manager.max_model_len, &max_model_len)
-            and _as_index(single.block_size, &block_size)):
+    if not _as_index(request.num_computed_tokens, &computed):
         return _STOCK
-    if new_tokens <= 0 or block_size <= 0 or computed < 0:
+    block_size = view.block_size
+    if new_tokens <= 0 or computed < 0:
         return _STOCK
-    total_computed = min(computed, max_model_len)
+    total_computed = min(computed, view.max_model_len)
     # Every count is below 2**30: no overflow.  The lookahead slots count
     # towards the blocks needed, not towards the tokens to cache.
-    need_slots = min(total_computed + new_tokens + lookahead, max_model_len)
+    need_slots = min(total_computed + new_tokens + lookahead, view.max_model_len)
     if need_slots < 0:
         return _STOCK
     # vLLM's cdiv, for a count >= 0 and a block size > 0.
     blocks_needed = (need_slots + block_size - 1) // block_size - len(<list>blocks)
-    pool = single.block_pool
-    if pool is not manager.block_pool:
-        return _STOCK
     # BlockPool.get_num_free_blocks (pinned) returns this field.
-    free = (pool.free_block_queue.num_free_blocks if type(pool) is kinds.pool
-            else pool.get_num_free_blocks())
+    free = (view.free_queue.num_free_blocks if view.exact_pool
+            else view.pool.get_num_free_blocks())
     if not _as_index(free, &free_blocks):
         return _STOCK
     if blocks_needed > 0:
@@ -170,35 +213,36 @@ cdef int _plan(object manager, object request, object num_new_tokens, object res
         blocks_needed = 0
     if blocks_needed + reserved > free_blocks:
         return _STOCK  # vLLM returns None
-    if single.enable_caching:
-        if not _as_index(pool.hash_block_size, &hash_block_size):
+    if view.caching:
+        if type(request) is kinds.request:
+            # Request.num_tokens (pinned) is the length of this list.
+            num_tokens = len(request._all_token_ids)
+        elif not _as_index(request.num_tokens, &num_tokens):
             return _STOCK
-        if block_size != hash_block_size:
+        if not _as_index((<dict>view.cached).get(request_id, 0), &num_cached):
             return _STOCK
-        spec = single.kv_cache_spec
-        # The pinned KVCacheSpec.prefix_cacheable of vLLM's full-attention spec is True.
-        if type(spec) is kinds.spec or spec.prefix_cacheable:
-            if type(request) is kinds.request:
-                # Request.num_tokens (pinned) is the length of this list.
-                num_tokens = len(request._all_token_ids)
-            elif not _as_index(request.num_tokens, &num_tokens):
-                return _STOCK
-            if not _as_index(coordinator.num_reprefillable_tokens, &reprefillable):
-                return _STOCK
-            cached = single.num_cached_block
-            if not isinstance(cached, dict):
-                return _STOCK
-            if not _as_index((<dict>cached).get(request_id, 0), &num_cached):
-                return _STOCK
-            to_cache = min(total_computed + new_tokens, num_tokens)
-            cacheable = max(0, to_cache - reprefillable)
-            # vLLM 0.32.0's count of full blocks; 0.33.0's is never larger.
-            if num_cached < cacheable // block_size:
-                plan |= _CACHE
-                counts.to_cache = to_cache
+        to_cache = min(total_computed + new_tokens, num_tokens)
+        cacheable = max(0, to_cache - view.reprefillable)
+        # vLLM 0.32.0's count of full blocks; 0.33.0's is never larger.
+        if num_cached < cacheable // block_size:
+            plan |= _CACHE
+            counts.to_cache = to_cache
     counts.need_slots = need_slots
     counts.main_tokens = total_computed + new_tokens
     return plan
+
+
+cdef int _plan_call(object manager, object request, object num_new_tokens,
+                    object reserved_blocks, Py_ssize_t lookahead, _Kinds kinds,
+                    _Counts* counts) except -2:
+    """``_plan`` for one call on ``manager``."""
+    cdef Py_ssize_t new_tokens, reserved
+    if not (_as_index(num_new_tokens, &new_tokens) and _as_index(reserved_blocks, &reserved)):
+        return _STOCK
+    view = _view(manager, kinds)
+    if view is None:
+        return _STOCK
+    return _plan(view, request, new_tokens, reserved, lookahead, kinds, counts)
 
 
 def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
@@ -232,8 +276,8 @@ def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
             and _is_int_zero(num_external_computed_tokens)
             and _is_int_zero(num_encoder_tokens) and delay_cache_blocks is False
             and full_sequence_must_fit is False):
-        plan = _plan(self, request, num_new_tokens, reserved_blocks, lookahead, _bound_kinds,
-                     &counts)
+        plan = _plan_call(self, request, num_new_tokens, reserved_blocks, lookahead,
+                          _bound_kinds, &counts)
     if plan == _STOCK:
         _stock_allocations += 1
         return _stock(self, request, num_new_tokens, num_new_computed_tokens,
@@ -267,26 +311,32 @@ cdef object _act(object manager, object request, int plan, Py_ssize_t lookahead,
     return manager.create_kv_cache_blocks(new_blocks)
 
 
-cdef object allocate_decode(object manager, object request, object num_new_tokens,
+cdef _Manager manager_view(object manager):
+    """``manager`` as the plan of its decode calls reads it (``allocate_decode``),
+    or None where vLLM's method decides every call (or nothing is bound)."""
+    if _bound_kinds is None:
+        return None
+    return _view(manager, _bound_kinds)
+
+
+cdef object allocate_decode(_Manager view, object request, Py_ssize_t num_new_tokens,
                             object num_lookahead_tokens, bint act):
     """The scheduler's decode call ``manager.allocate_slots(request,
-    num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)``, every other
-    argument at its default: None (nothing done) where vLLM's method is
-    needed (``_plan`` does not take it, or nothing is bound); else, with
+    num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)`` on the
+    manager of ``view`` (``manager_view``), every other argument at its
+    default: None (nothing done) where vLLM's method is needed; else, with
     ``act``, what ``allocate_slots`` returns for it (and counts), without,
     True (nothing done: the call will not return None)."""
     cdef Py_ssize_t lookahead = 0
     cdef _Counts counts
-    if _bound_kinds is None:
-        return None
     if not (_as_index(num_lookahead_tokens, &lookahead) and lookahead >= 0):
         return None
-    plan = _plan(manager, request, num_new_tokens, 0, lookahead, _bound_kinds, &counts)
+    plan = _plan(view, request, num_new_tokens, 0, lookahead, _bound_kinds, &counts)
     if plan == _STOCK:
         return None
     if not act:
         return True
-    return _act(manager, request, plan, lookahead, &counts, 0)
+    return _act(view.manager, request, plan, lookahead, &counts, 0)
 
 
 def allocate_slots_is_noop(manager, request, num_new_tokens, reserved_blocks, kinds,
@@ -308,8 +358,8 @@ def allocate_slots_is_noop(manager, request, num_new_tokens, reserved_blocks, ki
     cdef _Kinds unpacked = _unpack_kinds(kinds)
     cdef _Counts counts
     if (_as_index(num_lookahead_tokens, &lookahead) and lookahead >= 0
-            and _plan(manager, request, num_new_tokens, reserved_blocks, lookahead,
-                      unpacked, &counts) == _NOTHING):
+            and _plan_call(manager, request, num_new_tokens, reserved_blocks, lookahead,
+                           unpacked, &counts) == _NOTHING):
         _noop_allocations += 1
         if lookahead:
             _noop_lookahead_allocations += 1

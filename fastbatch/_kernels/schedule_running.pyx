@@ -17,7 +17,7 @@ from cpython.method cimport PyMethod_Check, PyMethod_GET_FUNCTION, PyMethod_GET_
 from libc.stdint cimport uint64_t
 
 from fastbatch._kernels._common cimport PyLong_CheckExact, long_as_compact
-from fastbatch._kernels.allocate_slots cimport allocate_decode
+from fastbatch._kernels.allocate_slots cimport _Manager, allocate_decode, manager_view
 
 cdef uint64_t _requests = 0
 cdef uint64_t _skipped = 0
@@ -88,6 +88,11 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
         return unchanged
     lookahead_tokens = scheduler.num_lookahead_tokens
     manager = scheduler.kv_cache_manager
+    # What allocate_slots' plan reads of the manager, once for the loop: a
+    # manager it cannot plan for leaves every request to vLLM's loop.
+    cdef _Manager view = manager_view(manager)
+    if view is None:
+        return unchanged
     allocate = manager.allocate_slots
     # The compiled allocate_slots bound to this manager: its planned call
     # directly; anything else (vLLM's method, the FASTBATCH_VERIFY check, a
@@ -153,14 +158,15 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
         if drafts_needed is not None and (type(output_token_ids) is not list
                                           or not _index(request.max_tokens, &max_tokens)):
             break
-        new_tokens = num_new
         if direct:
-            new_blocks = allocate_decode(manager, request, new_tokens, lookahead_tokens, True)
+            new_blocks = allocate_decode(view, request, num_new, lookahead_tokens, True)
             if new_blocks is None:
                 break  # vLLM's method allocates (or preempts) in vLLM's loop
+            new_tokens = num_new
         else:
-            if allocate_decode(manager, request, new_tokens, lookahead_tokens, False) is None:
+            if allocate_decode(view, request, num_new, lookahead_tokens, False) is None:
                 break
+            new_tokens = num_new
             new_blocks = allocate(request, new_tokens, num_lookahead_tokens=lookahead_tokens)
         # Scheduled: nothing below can fail.
         _requests += 1

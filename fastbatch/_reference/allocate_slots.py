@@ -62,6 +62,7 @@ from __future__ import annotations
 
 __all__ = ["allocate_slots_is_noop"]
 
+from types import SimpleNamespace
 from typing import Any
 
 from fastbatch._reference._common import Counters
@@ -110,83 +111,104 @@ def _is_index(value: Any) -> bool:
 STOCK, NOTHING, ALLOCATE, CACHE = -1, 0, 1, 2
 
 
-def _plan(manager: Any, request: Any, num_new_tokens: Any, reserved_blocks: Any,
-          num_lookahead_tokens: int, kinds: tuple[Any, ...]) -> tuple[int, int, int, int]:
-    """(plan, num_tokens_need_slot, num_tokens_main_model, num_tokens_to_cache)."""
-    (manager_type, coordinator_types, single_type, pool_type, request_type, spec_type,
-     running) = kinds
-    stock = (STOCK, 0, 0, 0)
+def _view(manager: Any, kinds: tuple[Any, ...]) -> SimpleNamespace | None:
+    """What ``_plan`` reads of ``manager`` that is the same for every request
+    (the compiled piece reads it once for a run of calls), or None where
+    vLLM's method decides every call."""
+    manager_type, coordinator_types, single_type, pool_type, _, spec_type, _ = kinds
     if type(manager) is not manager_type:
-        return stock
-    if not (_is_index(num_new_tokens) and _is_index(reserved_blocks)):
-        return stock
+        return None
     coordinator = manager.coordinator
     if not any(type(coordinator) is kind for kind in coordinator_types):
-        return stock
+        return None
     singles = coordinator.single_type_managers
     if type(singles) is not tuple or len(singles) != 1:
-        return stock
+        return None
     single = singles[0]
-    if type(single) is not single_type or request.status is not running:
-        return stock
-    request_id = request.request_id
+    if type(single) is not single_type:
+        return None
     req_to_blocks = single.req_to_blocks
     if not isinstance(req_to_blocks, dict):
+        return None
+    max_model_len, block_size = manager.max_model_len, single.block_size
+    if not (_is_index(max_model_len) and _is_index(block_size)) or block_size <= 0:
+        return None
+    pool = single.block_pool
+    if pool is not manager.block_pool:
+        return None
+    caching, cached, reprefillable = False, None, 0
+    if single.enable_caching:
+        hash_block_size = pool.hash_block_size
+        if not _is_index(hash_block_size) or block_size != hash_block_size:
+            return None
+        spec = single.kv_cache_spec
+        # The pinned KVCacheSpec.prefix_cacheable of vLLM's full-attention spec is True.
+        if type(spec) is spec_type or spec.prefix_cacheable:
+            reprefillable, cached = coordinator.num_reprefillable_tokens, single.num_cached_block
+            if not (_is_index(reprefillable) and isinstance(cached, dict)):
+                return None
+            caching = True
+    return SimpleNamespace(manager=manager, req_to_blocks=req_to_blocks,
+                           partial_hits=single._partial_hit_reqs, pool=pool,
+                           exact_pool=type(pool) is pool_type, max_model_len=max_model_len,
+                           block_size=block_size, caching=caching, cached=cached,
+                           reprefillable=reprefillable)
+
+
+def _plan(view: SimpleNamespace, request: Any, num_new_tokens: int, reserved_blocks: int,
+          num_lookahead_tokens: int, kinds: tuple[Any, ...]) -> tuple[int, int, int, int]:
+    """(plan, num_tokens_need_slot, num_tokens_main_model, num_tokens_to_cache)
+    of a decode call on ``view``'s manager."""
+    request_type, running = kinds[4], kinds[6]
+    stock = (STOCK, 0, 0, 0)
+    if request.status is not running:
         return stock
-    blocks = dict.get(req_to_blocks, request_id)
-    if type(blocks) is not list or request_id in single._partial_hit_reqs:
+    request_id = request.request_id
+    blocks = dict.get(view.req_to_blocks, request_id)
+    if type(blocks) is not list or request_id in view.partial_hits:
         return stock
-    num_computed = request.num_computed_tokens
-    max_model_len = manager.max_model_len
-    block_size = single.block_size
-    if not all(_is_index(value) for value in (num_computed, max_model_len, block_size)):
+    num_computed, block_size = request.num_computed_tokens, view.block_size
+    if not _is_index(num_computed) or num_new_tokens <= 0 or num_computed < 0:
         return stock
-    if num_new_tokens <= 0 or block_size <= 0 or num_computed < 0:
-        return stock
-    total_computed = min(num_computed, max_model_len)
+    total_computed = min(num_computed, view.max_model_len)
     # The lookahead slots count towards the blocks needed, not the tokens to cache.
-    need_slots = min(total_computed + num_new_tokens + num_lookahead_tokens, max_model_len)
+    need_slots = min(total_computed + num_new_tokens + num_lookahead_tokens, view.max_model_len)
     if need_slots < 0:
         return stock
     # vLLM's cdiv, for a count >= 0 and a block size > 0.
     blocks_needed = (need_slots + block_size - 1) // block_size - len(blocks)
-    pool = single.block_pool
-    if pool is not manager.block_pool:
-        return stock
     # BlockPool.get_num_free_blocks (pinned) returns this field.
-    free = (pool.free_block_queue.num_free_blocks if type(pool) is pool_type
-            else pool.get_num_free_blocks())
+    free = (view.pool.free_block_queue.num_free_blocks if view.exact_pool
+            else view.pool.get_num_free_blocks())
     if not _is_index(free):
         return stock
     plan = ALLOCATE if blocks_needed > 0 else NOTHING
     if max(blocks_needed, 0) + reserved_blocks > free:
         return stock  # vLLM returns None
     to_cache = 0
-    if single.enable_caching:
-        hash_block_size = pool.hash_block_size
-        if not _is_index(hash_block_size) or block_size != hash_block_size:
+    if view.caching:
+        # Request.num_tokens (pinned) is the length of this list.
+        num_tokens = (len(request._all_token_ids) if type(request) is request_type
+                      else request.num_tokens)
+        num_cached = dict.get(view.cached, request_id, 0)
+        if not (_is_index(num_tokens) and _is_index(num_cached)):
             return stock
-        spec = single.kv_cache_spec
-        # The pinned KVCacheSpec.prefix_cacheable of vLLM's full-attention spec is True.
-        if type(spec) is spec_type or spec.prefix_cacheable:
-            # Request.num_tokens (pinned) is the length of this list.
-            num_tokens = (len(request._all_token_ids) if type(request) is request_type
-                          else request.num_tokens)
-            reprefillable = coordinator.num_reprefillable_tokens
-            cached = single.num_cached_block
-            if not (_is_index(num_tokens) and _is_index(reprefillable)
-                    and isinstance(cached, dict)):
-                return stock
-            num_cached = dict.get(cached, request_id, 0)
-            if not _is_index(num_cached):
-                return stock
-            cache_up_to = min(total_computed + num_new_tokens, num_tokens)
-            cacheable = max(0, cache_up_to - reprefillable)
-            # vLLM 0.32.0's count of full blocks; 0.33.0's is never larger.
-            if num_cached < cacheable // block_size:
-                plan |= CACHE
-                to_cache = cache_up_to
+        cache_up_to = min(total_computed + num_new_tokens, num_tokens)
+        cacheable = max(0, cache_up_to - view.reprefillable)
+        # vLLM 0.32.0's count of full blocks; 0.33.0's is never larger.
+        if num_cached < cacheable // block_size:
+            plan |= CACHE
+            to_cache = cache_up_to
     return plan, need_slots, total_computed + num_new_tokens, to_cache
+
+
+def _plan_call(manager: Any, request: Any, num_new_tokens: Any, reserved_blocks: Any,
+               num_lookahead_tokens: int, kinds: tuple[Any, ...]) -> tuple[int, int, int, int]:
+    """``_plan`` for one call on ``manager``."""
+    view = _view(manager, kinds)
+    if view is None or not (_is_index(num_new_tokens) and _is_index(reserved_blocks)):
+        return STOCK, 0, 0, 0
+    return _plan(view, request, num_new_tokens, reserved_blocks, num_lookahead_tokens, kinds)
 
 
 def _is_int_zero(value: Any) -> bool:
@@ -231,7 +253,7 @@ def allocate_slots(self: Any, request: Any, num_new_tokens: int,
             and _is_int_zero(num_external_computed_tokens)
             and _is_int_zero(num_encoder_tokens) and delay_cache_blocks is False
             and full_sequence_must_fit is False):
-        plan, need_slots, main_tokens, to_cache = _plan(
+        plan, need_slots, main_tokens, to_cache = _plan_call(
             self, request, num_new_tokens, reserved_blocks, num_lookahead_tokens, kinds)
     if plan == STOCK:
         _COUNTERS.values["stock_allocations"] += 1
@@ -263,24 +285,31 @@ def _act(manager: Any, request: Any, plan: int, num_lookahead_tokens: int, need_
     return manager.create_kv_cache_blocks(new_blocks)
 
 
-def _allocate_decode(manager: Any, request: Any, num_new_tokens: Any,
-                    num_lookahead_tokens: Any, act: bool) -> Any:
+def _manager_view(manager: Any) -> SimpleNamespace | None:
+    """``manager`` as the plan of its decode calls reads it
+    (``_allocate_decode``), or None where vLLM's method decides every call (or
+    nothing is bound).  The twin of the compiled piece's C ``manager_view``."""
+    return None if _BOUND is None else _view(manager, _BOUND[1])
+
+
+def _allocate_decode(view: SimpleNamespace, request: Any, num_new_tokens: int,
+                     num_lookahead_tokens: Any, act: bool) -> Any:
     """The scheduler's decode call ``manager.allocate_slots(request,
-    num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)``, every other
-    argument at its default: None (nothing done) where vLLM's method is
-    needed (``_plan`` does not take it, or nothing is bound); else, with
+    num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)`` on the
+    manager of ``view`` (``_manager_view``), every other argument at its
+    default: None (nothing done) where vLLM's method is needed; else, with
     ``act``, what ``allocate_slots`` returns for it (and counts), without,
     True (nothing done: the call will not return None).  The twin of the
     compiled piece's C function ``allocate_decode`` (for ``schedule_running``)."""
     if _BOUND is None or not _is_lookahead(num_lookahead_tokens):
         return None
     plan, need_slots, main_tokens, to_cache = _plan(
-        manager, request, num_new_tokens, 0, num_lookahead_tokens, _BOUND[1])
+        view, request, num_new_tokens, 0, num_lookahead_tokens, _BOUND[1])
     if plan == STOCK:
         return None
     if not act:
         return True
-    return _act(manager, request, plan, num_lookahead_tokens, need_slots, main_tokens,
+    return _act(view.manager, request, plan, num_lookahead_tokens, need_slots, main_tokens,
                 to_cache, 0)
 
 
@@ -300,8 +329,8 @@ def allocate_slots_is_noop(manager: Any, request: Any, num_new_tokens: Any,
     """
     kinds = _unpack_kinds(kinds)
     noop = (_is_lookahead(num_lookahead_tokens)
-            and _plan(manager, request, num_new_tokens, reserved_blocks,
-                      num_lookahead_tokens, kinds)[0] == NOTHING)
+            and _plan_call(manager, request, num_new_tokens, reserved_blocks,
+                           num_lookahead_tokens, kinds)[0] == NOTHING)
     if noop:
         _count_noop(num_lookahead_tokens)
     else:

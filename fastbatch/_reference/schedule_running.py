@@ -112,6 +112,11 @@ def schedule_running_requests(scheduler: Any, req_index: Any, token_budget: Any,
     current_step, max_model_len, sampled_per_step, prefill_lookahead = settings
     lookahead_tokens = scheduler.num_lookahead_tokens
     manager = scheduler.kv_cache_manager
+    # What allocate_slots' plan reads of the manager, once for the loop: a
+    # manager it cannot plan for leaves every request to vLLM's loop.
+    view = _allocate._manager_view(manager)
+    if view is None:
+        return unchanged
     allocate = manager.allocate_slots
     direct = (isinstance(allocate, MethodType) and allocate.__func__ is kernel
               and allocate.__self__ is manager)
@@ -173,12 +178,12 @@ def schedule_running_requests(scheduler: Any, req_index: Any, token_budget: Any,
             if type(output_token_ids) is not list or not _is_index(max_tokens):
                 break
         if direct:
-            new_blocks = _allocate._allocate_decode(manager, request, num_new, lookahead_tokens,
+            new_blocks = _allocate._allocate_decode(view, request, num_new, lookahead_tokens,
                                                    True)
             if new_blocks is None:
                 break  # vLLM's method allocates (or preempts) in vLLM's loop
         else:
-            if _allocate._allocate_decode(manager, request, num_new, lookahead_tokens,
+            if _allocate._allocate_decode(view, request, num_new, lookahead_tokens,
                                          False) is None:
                 break
             new_blocks = allocate(request, num_new, num_lookahead_tokens=lookahead_tokens)
