@@ -95,6 +95,10 @@ class Workload:
     num_spec_tokens: int = 0
     num_lookahead_tokens: int = 0
     draft_acceptance: tuple[str, ...] = ("all", "some", "none")
+    # The scheduler's statistics (``log_stats``, vllm serve's default): each
+    # step's SchedulerStats (spec decoding's counts among them) is compared
+    # with the rest of the outputs; events' timestamps are not.
+    log_stats: bool = False
 
 
 WORKLOADS = (
@@ -257,7 +261,7 @@ def make_scheduler(workload: Workload) -> Any:
     cache_config.num_gpu_blocks = workload.num_blocks
     cls = AsyncScheduler if workload.async_scheduling else Scheduler
     scheduler = cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                    log_stats=False,
+                    log_stats=workload.log_stats,
                     structured_output_manager=StructuredOutputManager(vllm_config),
                     block_size=workload.block_size)
     if workload.model_runner_v2:

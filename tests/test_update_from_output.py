@@ -32,6 +32,7 @@ leaks; the plugin, by the piece's name and by its deprecated 0.1 name
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from types import MethodType, SimpleNamespace
@@ -253,16 +254,38 @@ def test_lockstep_spec_decode_with_the_pure_python_twin(monkeypatch, workload):
     assert idle(_kernels.stats())  # no compiled piece ran
 
 
-def test_drafts_are_left_to_vllm_with_statistics_or_several_samples():
-    """With log_stats vLLM's loop counts the drafts in the step's statistics;
-    with other than one sampled token per step the accepted count differs:
-    then requests with drafts are not taken."""
+def test_drafts_are_left_to_vllm_with_invalidated_drafts_or_several_samples():
+    """With statistics kept, requests with drafts are taken (their drafts
+    counted by vLLM's make_spec_decoding_stats) unless a grammar invalidated
+    drafts this step; with other than one sampled token per step the
+    accepted count differs: then they are not taken."""
     scheduler = lockstep.make_scheduler(lockstep.SPEC_WORKLOADS[0])
-    assert patch._takes_drafts(scheduler) is True
+    output = SimpleNamespace(num_invalid_spec_tokens=None)
+    assert patch._takes_drafts(scheduler, output) is True
     scheduler.log_stats = True
-    assert patch._takes_drafts(scheduler) is False
+    assert patch._takes_drafts(scheduler, output) is True
+    assert patch._takes_drafts(scheduler, SimpleNamespace(
+        num_invalid_spec_tokens={"a": 1})) is False
     scheduler.log_stats, scheduler.num_sampled_tokens_per_step = False, 0
-    assert patch._takes_drafts(scheduler) is False
+    assert patch._takes_drafts(scheduler, output) is False
+
+
+STATS_WORKLOADS = tuple(dataclasses.replace(workload, name=f"{workload.name}-stats",
+                                            log_stats=True)
+                        for workload in (lockstep.WORKLOADS[0], lockstep.SPEC_WORKLOADS[0],
+                                         lockstep.SPEC_WORKLOADS[-1]))
+
+
+@pytest.mark.parametrize("workload", STATS_WORKLOADS, ids=lambda w: w.name)
+def test_lockstep_with_statistics(monkeypatch, workload):
+    """``log_stats`` on (vllm serve's default): every step's SchedulerStats,
+    spec decoding's counts included, as stock's; requests with drafts taken."""
+    counts = counting_draft_takes(monkeypatch, _kernels)
+    _kernels.reset_stats()
+    lockstep.Lockstep(workload, seed=13, make_fast=make_fast).run(STEPS_PER_WORKLOAD)
+    assert fastbatch.stats()["update_from_output"]["fast_outputs"] > 0
+    if workload.num_spec_tokens:
+        assert counts["with_drafts"] > 0 and counts["rejected"] > 0
 
 
 @pytest.mark.parametrize("implementation", ["compiled", "reference"], indirect=True)
@@ -720,7 +743,9 @@ def verified_lockstep(workload, seed):
     return harness
 
 
-@pytest.mark.parametrize("workload", lockstep.WORKLOADS, ids=lambda w: w.name)
+@pytest.mark.parametrize("workload", (*lockstep.WORKLOADS, lockstep.SPEC_WORKLOADS[0],
+                                      lockstep.SPEC_WORKLOADS[-1], *STATS_WORKLOADS),
+                         ids=lambda w: w.name)
 def test_verify_no_false_divergence_in_lockstep(verified, workload):
     _kernels.reset_stats()
     harness = verified_lockstep(workload, seed=13)
@@ -848,3 +873,25 @@ def test_verify_sampled_checks_some_calls(monkeypatch, tmp_path):
         assert low <= patch.PATCH.checked <= high, (rate, patch.PATCH.checked)
         assert patch.PATCH.divergences == 0
     patch.PATCH.checked = 0
+
+
+def test_verify_catches_a_wrong_draft_count_and_leaves_stock_statistics(verified,
+                                                                          monkeypatch, logs):
+    """With statistics kept: drafts counted one short for the requests taken
+    (what fastbatch hands vLLM's make_spec_decoding_stats) differ from what
+    vLLM's loop hands it: caught, the step goes to vLLM's method, and the
+    lockstep (which compares each step's SchedulerStats) sees stock's."""
+    real = patch.drafts_counted
+
+    def one_short(*args):
+        return [(rid, drafts, max(accepted - 1, 0)) for rid, drafts, accepted in real(*args)]
+
+    monkeypatch.setattr(patch, "drafts_counted", one_short)
+    harness = verified_lockstep(STATS_WORKLOADS[1], seed=21)
+    for _ in range(60):
+        harness.step()  # the lockstep compares with stock's after each step
+        if patch.PATCH.divergences:
+            break
+    assert patch.PATCH.divergences == 1
+    assert any("drafts_counted" in line for line in logs.at(logging.ERROR))
+    harness.run(20)  # vLLM's method from now on

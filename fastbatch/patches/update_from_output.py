@@ -13,9 +13,13 @@ the outputs are merged back in scheduling order (``merge_decode_outputs``).
 A step with a KV or EC connector, pooling, grammar errors, an aux-output
 connector, sampling masks, perf metrics, deferred block frees, or a request of
 another front-end goes to vLLM's method whole.  Requests with drafts are
-taken only when the scheduler keeps no statistics (``log_stats``: vLLM's loop
-counts the drafts in them) and samples one token per step; else they go to
-vLLM's loop, and a step of only such requests to vLLM's method whole.
+taken when the scheduler samples one token per step and, where it keeps
+statistics (``log_stats``, ``vllm serve``'s default), no draft of the step was
+invalidated by a grammar: their drafts are then counted into the step's
+``SpecDecodingStats`` by vLLM's own ``make_spec_decoding_stats``, with the
+arguments vLLM's loop gives it (``drafts_counted``, ``_count_drafts``); else
+they go to vLLM's loop, and a step of only such requests to vLLM's method
+whole.
 Requests are read and written through their instance dict (the activation
 check refuses if an attribute used is a class attribute or missing).
 
@@ -91,6 +95,14 @@ _BASE_032 = "ffcaec8de9837fe0846d964463a5bdd779490bee660b4a9c227da2268a83693e"
 _BASE_033 = "d7f0ff1e416d76419cd8a61033c97699dbd5a64326a32714e3cc76f56d249a51"
 _ASYNC_OVERRIDE_032 = "8ba2a99bc67741eb142ef08d3c24c754eba80c1e4b80090bb8ecb0a242701614"
 COMPANION_FINGERPRINTS = {
+    # The drafts of the requests taken are counted after vLLM's loop: the
+    # counts are sums, whatever the order (_count_drafts).
+    "vllm.v1.spec_decode.metrics:SpecDecodingStats.observe_draft": {
+        "dd1646346925452a680eca2b62f380d28287ffd6df6173db46b2ea56daa4013a":
+            "vLLM 0.32.0-0.33.0"},
+    f"{MODULE}:Scheduler.make_spec_decoding_stats": {
+        "ffc43c0e9e09af48a2dabcf581aa5979871a7c0704bedee7d1abf6b7f42e7f46":
+            "vLLM 0.32.0-0.33.0"},
     f"{MODULE}:Scheduler._update_request_with_output": {
         _BASE_032: "vLLM 0.32.0: append and check_stop only",
         _BASE_033: "vLLM 0.33.0: also resolves the placeholders"},
@@ -275,11 +287,56 @@ def _merged(outputs: dict[int, Any], slots: list[Any]) -> dict[int, Any]:
     return {0: own, **outputs}
 
 
-def _takes_drafts(scheduler: Any) -> bool:
-    """Requests with drafts can be taken: the scheduler keeps no statistics
-    (vLLM's loop would count the drafts in them) and samples one token per
-    step (the token after the accepted drafts)."""
-    return scheduler.log_stats is False and scheduler.num_sampled_tokens_per_step == 1
+def _takes_drafts(scheduler: Any, scheduler_output: Any) -> bool:
+    """Requests with drafts can be taken: the scheduler samples one token per
+    step (the token after the accepted drafts), and either keeps no
+    statistics or keeps them with no draft invalidated by a grammar (the
+    drafts of the requests taken are then counted by vLLM's own
+    ``make_spec_decoding_stats``, ``_count_drafts``)."""
+    if scheduler.num_sampled_tokens_per_step != 1:
+        return False
+    log_stats = scheduler.log_stats
+    return log_stats is False or (log_stats is True
+                                  and not scheduler_output.num_invalid_spec_tokens)
+
+
+def drafts_counted(scheduler_output: Any, model_runner_output: Any,
+                   taken: list[str]) -> list[tuple[str, int, int]]:
+    """What vLLM's loop hands ``make_spec_decoding_stats`` for the requests
+    ``taken`` (in scheduling order): ``(request id, num_draft_tokens,
+    num_accepted_tokens)`` for each with drafts scheduled and tokens sampled
+    (one token sampled per step: the accepted drafts are the rest)."""
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    if not spec:
+        return []
+    sampled = model_runner_output.sampled_token_ids
+    index = model_runner_output.req_id_to_index
+    counted = []
+    for rid in taken:
+        drafts = spec.get(rid)
+        row = sampled[index[rid]] if sampled else []
+        if drafts and row:
+            counted.append((rid, len(drafts), max(len(row) - 1, 0)))
+    return counted
+
+
+def _count_drafts(scheduler: Any, scheduler_output: Any, outputs: dict[int, Any],
+                  counted: list[tuple[str, int, int]]) -> None:
+    """The drafts of the requests taken, counted into the step's
+    ``SpecDecodingStats`` by vLLM's own ``make_spec_decoding_stats``, as vLLM's
+    loop counts them (the counts are sums: the order of the requests does not
+    change them; the stats object is created at the first request with drafts
+    either way)."""
+    stats = next((eco.scheduler_stats for eco in outputs.values()
+                  if eco.scheduler_stats is not None), None)
+    if stats is None or not counted:
+        return
+    spec_stats = stats.spec_decoding_stats
+    for rid, num_drafts, num_accepted in counted:
+        spec_stats = scheduler.make_spec_decoding_stats(
+            spec_stats, num_draft_tokens=num_drafts, num_accepted_tokens=num_accepted,
+            num_invalid_spec_tokens=scheduler_output.num_invalid_spec_tokens, request_id=rid)
+    stats.spec_decoding_stats = spec_stats
 
 
 def _fast_variant(scheduler: Any, scheduler_output: Any, model_runner_output: Any,
@@ -302,7 +359,7 @@ def update_from_output(self: Any, scheduler_output: Any,
     """fastbatch's drop-in for ``Scheduler.update_from_output`` (same signature)."""
     global _PENDING
     check, _PENDING = _PENDING, None  # the shadow's snapshot of this very call, if any
-    drafts = _takes_drafts(self)
+    drafts = _takes_drafts(self, scheduler_output)
     variant = _fast_variant(self, scheduler_output, model_runner_output, drafts)
     if variant is None:
         return _STOCK(self, scheduler_output, model_runner_output)
@@ -322,7 +379,12 @@ def update_from_output(self: Any, scheduler_output: Any,
     if check is not None:
         own = stock_part.get(0)
         check["rest_outputs"] = list(own.outputs) if own is not None else []
-    return _merged(stock_part, slots)
+    merged = _merged(stock_part, slots)
+    if drafts and self.log_stats:
+        taken_ids = [rid for rid in scheduler_output.num_scheduled_tokens if rid not in rest]
+        _count_drafts(self, scheduler_output, merged,
+                      drafts_counted(scheduler_output, model_runner_output, taken_ids))
+    return merged
 
 
 # ---------------------------------------------------------------------------
@@ -664,7 +726,7 @@ def _snapshot(scheduler: Any, scheduler_output: Any, model_runner_output: Any) -
     global _PENDING
     _PENDING = None
     if _fast_variant(scheduler, scheduler_output, model_runner_output,
-                     _takes_drafts(scheduler)) is None:
+                     _takes_drafts(scheduler, scheduler_output)) is None:
         return None
     requests = scheduler.requests
     saved = {}
@@ -711,12 +773,23 @@ def _run(function: Any, inputs: dict[str, Any]) -> Any:
     runner = copy.copy(inputs["runner"])
     runner.sampled_token_ids = [list(row) if type(row) is list else row
                                 for row in runner.sampled_token_ids]
+    counted: list[tuple[str, int, int]] = []
+    if function is _STOCK:  # what vLLM's loop hands make_spec_decoding_stats (log_stats off)
+
+        def count(stats: Any, *, num_draft_tokens: int, num_accepted_tokens: int,
+                  request_id: str, **_: Any) -> None:
+            counted.append((request_id, num_draft_tokens, num_accepted_tokens))
+
+        scheduler.make_spec_decoding_stats = count
     try:
         results = function(scheduler, scheduler_output, runner)
     except Exception as exc:  # a plain outcome: FASTBATCH_VERIFY must not raise it
         return {"raised": f"{type(exc).__name__}: {exc}"}
-    return _outcome_of(scheduler, taken, {request.request_id: request for request in requests},
-                       results, _kv_calls(scheduler.kv_cache_manager))
+    outcome = _outcome_of(scheduler, taken, {request.request_id: request for request in requests},
+                          results, _kv_calls(scheduler.kv_cache_manager))
+    if function is _STOCK:
+        outcome["drafts_counted"] = counted
+    return outcome
 
 
 def _check_taken(check: dict[str, Any], slots: list[Any], rest: dict[str, Any]) -> bool:
@@ -733,6 +806,7 @@ def _check_taken(check: dict[str, Any], slots: list[Any], rest: dict[str, Any]) 
         ours["untouched"] = [rid for rid, (request, _, clone) in saved.items()
                              if rid not in ours["requests"]
                              and _request_state(request) != _request_state(clone)]
+        ours["drafts_counted"] = drafts_counted(scheduler_output, check["live"][2], taken)
         stock = _run(_STOCK, check)
     except Exception:  # the shadow's own failure: vLLM's method takes the step, unchecked
         logger.exception("fastbatch: FASTBATCH_VERIFY could not check update_from_output; "
@@ -797,6 +871,10 @@ def _compare(ours: Any, stock: Any) -> str | None:
     if not ours.pop("merged", True):
         return "fastbatch's outputs are not merged in vLLM's order"
     stock.pop("merged", None)
+    if "drafts_counted" not in ours or "drafts_counted" not in stock:
+        # (a replay runs fastbatch's method on a scheduler without statistics)
+        ours.pop("drafts_counted", None)
+        stock.pop("drafts_counted", None)
     return _first_difference(ours, stock)
 
 
