@@ -81,6 +81,19 @@ cdef inline PyObject* token_object(PyObject** table, int64_t value) noexcept:
     return token
 
 
+cdef inline bint as_index(object value, Py_ssize_t* out) noexcept:
+    """True, with the value, for an exact int of up to one digit (every count
+    the scheduler pieces read); False for anything else (then vLLM's code
+    decides)."""
+    cdef long long number
+    if not PyLong_CheckExact(<PyObject*>value):
+        return False
+    if not long_as_compact(<PyObject*>value, &number):
+        return False
+    out[0] = <Py_ssize_t>number
+    return True
+
+
 cdef Py_ssize_t as_row_slow(PyObject* req_id, PyObject* prev_index) except -1
 
 

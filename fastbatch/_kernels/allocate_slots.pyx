@@ -20,10 +20,9 @@ call on the common path).  The plan reads and never writes.
 
 __all__ = ["allocate_slots_is_noop"]
 
-from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
 
-from fastbatch._kernels._common cimport PyLong_CheckExact, long_as_compact
+from fastbatch._kernels._common cimport as_index
 
 cdef uint64_t _noop_allocations = 0
 cdef uint64_t _noop_lookahead_allocations = 0
@@ -95,21 +94,9 @@ def bind(stock, kinds):
     _stock = stock
 
 
-cdef inline bint _as_index(object value, Py_ssize_t* out) noexcept:
-    """True, with the value, for an exact int of up to one digit (every count
-    this path sees); False for anything else (then vLLM's code decides)."""
-    cdef long long number
-    if not PyLong_CheckExact(<PyObject*>value):
-        return False
-    if not long_as_compact(<PyObject*>value, &number):
-        return False
-    out[0] = <Py_ssize_t>number
-    return True
-
-
 cdef inline bint _is_int_zero(object value) noexcept:
     cdef Py_ssize_t number
-    return _as_index(value, &number) and number == 0
+    return as_index(value, &number) and number == 0
 
 
 cdef class _Manager:
@@ -143,8 +130,8 @@ cdef _Manager _view(object manager, _Kinds kinds):
     req_to_blocks = single.req_to_blocks
     if not isinstance(req_to_blocks, dict):
         return None
-    if not (_as_index(manager.max_model_len, &max_model_len)
-            and _as_index(single.block_size, &block_size)) or block_size <= 0:
+    if not (as_index(manager.max_model_len, &max_model_len)
+            and as_index(single.block_size, &block_size)) or block_size <= 0:
         return None
     pool = single.block_pool
     if pool is not manager.block_pool:
@@ -152,14 +139,14 @@ cdef _Manager _view(object manager, _Kinds kinds):
     cdef bint caching = False
     cached = None
     if single.enable_caching:
-        if not _as_index(pool.hash_block_size, &hash_block_size):
+        if not as_index(pool.hash_block_size, &hash_block_size):
             return None
         if block_size != hash_block_size:
             return None
         spec = single.kv_cache_spec
         # The pinned KVCacheSpec.prefix_cacheable of vLLM's full-attention spec is True.
         if type(spec) is kinds.spec or spec.prefix_cacheable:
-            if not _as_index(coordinator.num_reprefillable_tokens, &reprefillable):
+            if not as_index(coordinator.num_reprefillable_tokens, &reprefillable):
                 return None
             cached = single.num_cached_block
             if not isinstance(cached, dict):
@@ -189,7 +176,7 @@ cdef int _plan(_Manager view, object request, Py_ssize_t new_tokens, Py_ssize_t 
     blocks = (<dict>view.req_to_blocks).get(request_id)
     if type(blocks) is not list or request_id in view.partial_hits:
         return _STOCK
-    if not _as_index(request.num_computed_tokens, &computed):
+    if not as_index(request.num_computed_tokens, &computed):
         return _STOCK
     block_size = view.block_size
     if new_tokens <= 0 or computed < 0:
@@ -205,7 +192,7 @@ cdef int _plan(_Manager view, object request, Py_ssize_t new_tokens, Py_ssize_t 
     # BlockPool.get_num_free_blocks (pinned) returns this field.
     free = (view.free_queue.num_free_blocks if view.exact_pool
             else view.pool.get_num_free_blocks())
-    if not _as_index(free, &free_blocks):
+    if not as_index(free, &free_blocks):
         return _STOCK
     if blocks_needed > 0:
         plan = _ALLOCATE
@@ -217,9 +204,9 @@ cdef int _plan(_Manager view, object request, Py_ssize_t new_tokens, Py_ssize_t 
         if type(request) is kinds.request:
             # Request.num_tokens (pinned) is the length of this list.
             num_tokens = len(request._all_token_ids)
-        elif not _as_index(request.num_tokens, &num_tokens):
+        elif not as_index(request.num_tokens, &num_tokens):
             return _STOCK
-        if not _as_index((<dict>view.cached).get(request_id, 0), &num_cached):
+        if not as_index((<dict>view.cached).get(request_id, 0), &num_cached):
             return _STOCK
         to_cache = min(total_computed + new_tokens, num_tokens)
         cacheable = max(0, to_cache - view.reprefillable)
@@ -237,7 +224,7 @@ cdef int _plan_call(object manager, object request, object num_new_tokens,
                     _Counts* counts) except -2:
     """``_plan`` for one call on ``manager``."""
     cdef Py_ssize_t new_tokens, reserved
-    if not (_as_index(num_new_tokens, &new_tokens) and _as_index(reserved_blocks, &reserved)):
+    if not (as_index(num_new_tokens, &new_tokens) and as_index(reserved_blocks, &reserved)):
         return _STOCK
     view = _view(manager, kinds)
     if view is None:
@@ -272,7 +259,7 @@ def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
         raise RuntimeError("fastbatch's allocate_slots is not bound to vLLM's method "
                            "(fastbatch.patches.allocate_slots.bind() does it)")
     if (new_computed_blocks is None and _is_int_zero(num_new_computed_tokens)
-            and _as_index(num_lookahead_tokens, &lookahead) and lookahead >= 0
+            and as_index(num_lookahead_tokens, &lookahead) and lookahead >= 0
             and _is_int_zero(num_external_computed_tokens)
             and _is_int_zero(num_encoder_tokens) and delay_cache_blocks is False
             and full_sequence_must_fit is False):
@@ -329,7 +316,7 @@ cdef object allocate_decode(_Manager view, object request, Py_ssize_t num_new_to
     True (nothing done: the call will not return None)."""
     cdef Py_ssize_t lookahead = 0
     cdef _Counts counts
-    if not (_as_index(num_lookahead_tokens, &lookahead) and lookahead >= 0):
+    if not (as_index(num_lookahead_tokens, &lookahead) and lookahead >= 0):
         return None
     plan = _plan(view, request, num_new_tokens, 0, lookahead, _bound_kinds, &counts)
     if plan == _STOCK:
@@ -357,7 +344,7 @@ def allocate_slots_is_noop(manager, request, num_new_tokens, reserved_blocks, ki
     cdef Py_ssize_t lookahead = 0
     cdef _Kinds unpacked = _unpack_kinds(kinds)
     cdef _Counts counts
-    if (_as_index(num_lookahead_tokens, &lookahead) and lookahead >= 0
+    if (as_index(num_lookahead_tokens, &lookahead) and lookahead >= 0
             and _plan_call(manager, request, num_new_tokens, reserved_blocks, lookahead,
                            unpacked, &counts) == _NOTHING):
         _noop_allocations += 1

@@ -12,11 +12,10 @@ whose allocation vLLM's method must do is never started here.
 
 __all__ = ["schedule_running_requests"]
 
-from cpython.object cimport PyObject
 from cpython.method cimport PyMethod_Check, PyMethod_GET_FUNCTION, PyMethod_GET_SELF
 from libc.stdint cimport uint64_t
 
-from fastbatch._kernels._common cimport PyLong_CheckExact, long_as_compact
+from fastbatch._kernels._common cimport as_index
 from fastbatch._kernels.allocate_slots cimport _Manager, allocate_decode, manager_view
 
 cdef uint64_t _requests = 0
@@ -33,17 +32,6 @@ def reset_stats():
     """Set every counter of ``stats()`` back to zero."""
     global _requests, _skipped, _handed_over
     _requests = _skipped = _handed_over = 0
-
-
-cdef inline bint _index(object value, Py_ssize_t* out) noexcept:
-    """True, with the value, for an exact int of up to one digit."""
-    cdef long long number
-    if not PyLong_CheckExact(<PyObject*>value):
-        return False
-    if not long_as_compact(<PyObject*>value, &number):
-        return False
-    out[0] = <Py_ssize_t>number
-    return True
 
 
 def schedule_running_requests(scheduler, req_index, token_budget, input_budget, draft_slots,
@@ -65,9 +53,9 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
     if type(kinds) is not tuple or len(<tuple>kinds) != 2:
         raise TypeError("kinds must be a tuple (Request, allocate_slots)")
     request_type, kernel = <tuple>kinds
-    if not (_index(req_index, &index) and _index(token_budget, &budget)
-            and _index(input_budget, &inputs) and _index(draft_slots, &slots)
-            and _index(long_prefill_token_threshold, &threshold)):
+    if not (as_index(req_index, &index) and as_index(token_budget, &budget)
+            and as_index(input_budget, &inputs) and as_index(draft_slots, &slots)
+            and as_index(long_prefill_token_threshold, &threshold)):
         return unchanged
     if (type(defer_prefills) is not bool or type(prefill_scheduled) is not bool
             or not (drafts_needed is None or type(drafts_needed) is bool)
@@ -81,10 +69,10 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
     if (scheduler.ec_connector is not None
             or scheduler.need_mamba_block_aligned_split is not False):
         return unchanged
-    if not (_index(scheduler.current_step, &current_step)
-            and _index(scheduler.max_model_len, &max_model_len)
-            and _index(scheduler.num_sampled_tokens_per_step, &sampled_per_step)
-            and _index(scheduler.num_prefill_lookahead, &prefill_lookahead)):
+    if not (as_index(scheduler.current_step, &current_step)
+            and as_index(scheduler.max_model_len, &max_model_len)
+            and as_index(scheduler.num_sampled_tokens_per_step, &sampled_per_step)
+            and as_index(scheduler.num_prefill_lookahead, &prefill_lookahead)):
         return unchanged
     lookahead_tokens = scheduler.num_lookahead_tokens
     manager = scheduler.kv_cache_manager
@@ -104,19 +92,19 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
         request = (<list>running)[index]
         if inputs <= slots or type(request) is not request_type:
             break
-        if not (_index(request.num_output_placeholders, &placeholders)
-                and _index(request.num_computed_tokens, &computed)):
+        if not (as_index(request.num_output_placeholders, &placeholders)
+                and as_index(request.num_computed_tokens, &computed)):
             break
         if placeholders > 0:
             # Async scheduling: the step that reaches max_tokens is in flight.
-            if not (_index(request.num_prompt_tokens, &prompt_tokens)
-                    and _index(request.max_tokens, &max_tokens)):
+            if not (as_index(request.num_prompt_tokens, &prompt_tokens)
+                    and as_index(request.max_tokens, &max_tokens)):
                 break
             if computed + 2 - placeholders >= prompt_tokens + max_tokens:
                 index += 1
                 _skipped += 1
                 continue
-        if not _index(request.next_decode_eligible_step, &eligible_step):
+        if not as_index(request.next_decode_eligible_step, &eligible_step):
             break
         if current_step < eligible_step:
             index += 1
@@ -156,7 +144,7 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
         output_token_ids = request._output_token_ids
         request_id = request.request_id
         if drafts_needed is not None and (type(output_token_ids) is not list
-                                          or not _index(request.max_tokens, &max_tokens)):
+                                          or not as_index(request.max_tokens, &max_tokens)):
             break
         if direct:
             new_blocks = allocate_decode(view, request, num_new, lookahead_tokens, True)
