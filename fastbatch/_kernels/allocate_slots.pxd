@@ -37,4 +37,4 @@ cdef class _Manager:
 
 cdef _Manager manager_view(object manager)
 cdef object allocate_decode(_Manager view, object request, Py_ssize_t num_new_tokens,
-                            object num_lookahead_tokens, bint act)
+                            Py_ssize_t num_lookahead_tokens, bint act)

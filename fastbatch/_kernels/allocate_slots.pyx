@@ -307,23 +307,22 @@ cdef _Manager manager_view(object manager):
 
 
 cdef object allocate_decode(_Manager view, object request, Py_ssize_t num_new_tokens,
-                            object num_lookahead_tokens, bint act):
+                            Py_ssize_t num_lookahead_tokens, bint act):
     """The scheduler's decode call ``manager.allocate_slots(request,
     num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)`` on the
     manager of ``view`` (``manager_view``), every other argument at its
-    default: None (nothing done) where vLLM's method is needed; else, with
-    ``act``, what ``allocate_slots`` returns for it (and counts), without,
-    True (nothing done: the call will not return None)."""
-    cdef Py_ssize_t lookahead = 0
+    default (``num_lookahead_tokens``: the scheduler's, read by the caller
+    once, at least 0): None (nothing done) where vLLM's method is needed;
+    else, with ``act``, what ``allocate_slots`` returns for it (and counts),
+    without, True (nothing done: the call will not return None)."""
     cdef _Counts counts
-    if not (as_index(num_lookahead_tokens, &lookahead) and lookahead >= 0):
-        return None
-    plan = _plan(view, request, num_new_tokens, 0, lookahead, _bound_kinds, &counts)
+    plan = _plan(view, request, num_new_tokens, 0, num_lookahead_tokens, _bound_kinds,
+                 &counts)
     if plan == _STOCK:
         return None
     if not act:
         return True
-    return _act(view.manager, request, plan, lookahead, &counts, 0)
+    return _act(view.manager, request, plan, num_lookahead_tokens, &counts, 0)
 
 
 def allocate_slots_is_noop(manager, request, num_new_tokens, reserved_blocks, kinds,

@@ -47,7 +47,7 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
     cdef Py_ssize_t index, budget, inputs, slots, threshold, current_step, max_model_len
     cdef Py_ssize_t sampled_per_step, prefill_lookahead, placeholders, computed
     cdef Py_ssize_t prompt_tokens, max_tokens = 0, eligible_step, num_new
-    cdef Py_ssize_t num_tokens, remaining, spec_count, num_spec
+    cdef Py_ssize_t num_tokens, remaining, spec_count, num_spec, lookahead
     cdef bint any_prefill, unused, direct
     unchanged = (req_index, token_budget, input_budget, prefill_scheduled, drafts_needed)
     if type(kinds) is not tuple or len(<tuple>kinds) != 2:
@@ -75,6 +75,8 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
             and as_index(scheduler.num_prefill_lookahead, &prefill_lookahead)):
         return unchanged
     lookahead_tokens = scheduler.num_lookahead_tokens
+    if not (as_index(lookahead_tokens, &lookahead) and lookahead >= 0):
+        return unchanged
     manager = scheduler.kv_cache_manager
     # What allocate_slots' plan reads of the manager, once for the loop: a
     # manager it cannot plan for leaves every request to vLLM's loop.
@@ -147,21 +149,19 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
                                           or not as_index(request.max_tokens, &max_tokens)):
             break
         if direct:
-            new_blocks = allocate_decode(view, request, num_new, lookahead_tokens, True)
+            new_blocks = allocate_decode(view, request, num_new, lookahead, True)
             if new_blocks is None:
                 break  # vLLM's method allocates (or preempts) in vLLM's loop
-            new_tokens = num_new
         else:
-            if allocate_decode(view, request, num_new, lookahead_tokens, False) is None:
+            if allocate_decode(view, request, num_new, lookahead, False) is None:
                 break
-            new_tokens = num_new
-            new_blocks = allocate(request, new_tokens, num_lookahead_tokens=lookahead_tokens)
+            new_blocks = allocate(request, num_new, num_lookahead_tokens=lookahead_tokens)
         # Scheduled: nothing below can fail.
         _requests += 1
         (<list>scheduled_running_reqs).append(request)
         any_prefill = any_prefill or is_prefill_chunk
         (<dict>req_to_new_blocks)[request_id] = new_blocks
-        (<dict>num_scheduled_tokens)[request_id] = new_tokens
+        (<dict>num_scheduled_tokens)[request_id] = num_new
         budget -= num_new
         inputs -= num_new + slots
         index += 1

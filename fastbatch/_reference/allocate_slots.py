@@ -293,15 +293,17 @@ def _manager_view(manager: Any) -> SimpleNamespace | None:
 
 
 def _allocate_decode(view: SimpleNamespace, request: Any, num_new_tokens: int,
-                     num_lookahead_tokens: Any, act: bool) -> Any:
+                     num_lookahead_tokens: int, act: bool) -> Any:
     """The scheduler's decode call ``manager.allocate_slots(request,
     num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)`` on the
     manager of ``view`` (``_manager_view``), every other argument at its
-    default: None (nothing done) where vLLM's method is needed; else, with
-    ``act``, what ``allocate_slots`` returns for it (and counts), without,
-    True (nothing done: the call will not return None).  The twin of the
-    compiled piece's C function ``allocate_decode`` (for ``schedule_running``)."""
-    if _BOUND is None or not _is_lookahead(num_lookahead_tokens):
+    default (``num_lookahead_tokens``: the scheduler's, checked by the caller
+    once, ``_is_lookahead``): None (nothing done) where vLLM's method is
+    needed; else, with ``act``, what ``allocate_slots`` returns for it (and
+    counts), without, True (nothing done: the call will not return None).
+    The twin of the compiled piece's C function ``allocate_decode`` (for
+    ``schedule_running``)."""
+    if _BOUND is None:
         return None
     plan, need_slots, main_tokens, to_cache = _plan(
         view, request, num_new_tokens, 0, num_lookahead_tokens, _BOUND[1])

@@ -111,6 +111,8 @@ def schedule_running_requests(scheduler: Any, req_index: Any, token_budget: Any,
         return unchanged
     current_step, max_model_len, sampled_per_step, prefill_lookahead = settings
     lookahead_tokens = scheduler.num_lookahead_tokens
+    if not _allocate._is_lookahead(lookahead_tokens):
+        return unchanged
     manager = scheduler.kv_cache_manager
     # What allocate_slots' plan reads of the manager, once for the loop: a
     # manager it cannot plan for leaves every request to vLLM's loop.
