@@ -37,7 +37,8 @@ process, and the step's CPU time by stage, per engine step:
                      ``sample_tokens`` - ``_model_forward`` - ``_sample``
   output processing  ``OutputProcessor.process_outputs``
 
-with the whole engine step and the forward pass for scale.  The token ids
+with the whole engine step and the forward pass for scale, and the garbage
+collector's collections (their own row: left out of the stages they ran in).  The token ids
 (and the logprobs, where asked for: per position each entry's token id,
 logprob, rank and decoded token, and each output's cumulative logprob) must
 be identical between every run and stock's first, or the script exits
@@ -59,7 +60,7 @@ import time
 from pathlib import Path
 
 from e2e import DEFAULT_VOCAB
-from step_profile import STEP, WORKLOADS, measure
+from step_profile import GARBAGE_COLLECTION, STEP, WORKLOADS, measure
 
 # NAME, or NAME@VOCAB: on the tiny model with that vocabulary (else --vocab's).
 DEFAULT_WORKLOADS = ["greedy", "repetition", "logprobs1", "greedy@4096", "logprobs1@4096"]
@@ -75,6 +76,7 @@ STAGES = {
     "output processing": "OutputProcessor.process_outputs",
     "engine step (whole)": STEP,
     "forward pass": "GPUModelRunner._model_forward",
+    "garbage collection": GARBAGE_COLLECTION,
 }
 STAGE_NOTES = {
     "scheduler": "Scheduler.schedule + update_from_output",
@@ -82,6 +84,7 @@ STAGE_NOTES = {
     "output processing": "OutputProcessor.process_outputs",
     "engine step (whole)": "EngineCore's step function",
     "forward pass": "GPUModelRunner._model_forward",
+    "garbage collection": "the collector's collections, left out of the rows above",
 }
 
 

@@ -24,6 +24,9 @@ EOS ignored, the same ``max_tokens`` for all):
   logprobs1        greedy, ``logprobs=1`` (the sampled token's logprob and the
                    top one's; ``logprobs`` is its earlier name, still accepted)
   logprobs5        greedy, ``logprobs=5`` (the sampled token's and the top 5)
+  structured       greedy, structured outputs on every request (a regex that
+                   never completes, vLLM's default backend): the grammar's
+                   bitmask every step, ``accept_tokens`` for every token
   spec             greedy, speculative decoding with the draft-model setup of
                    the end-to-end tests (the tiny model drafts for itself, 3 tokens)
   spec-repetition  spec with a repetition penalty on every request: the only
@@ -37,14 +40,18 @@ that decodes text: the detokenizer, logprobs' ``decoded_token``).
 
 Per function: microseconds per step (time in it / engine steps), its share of
 the engine step, calls per step; medians over the runs, with the min-max
-spread.  Derived rows: "runner's own CPU" = ``execute_model`` +
-``sample_tokens`` - ``_model_forward`` - ``_sample`` - the draft model's
-forward passes (spec only); "scheduler" = ``schedule`` + ``update_from_output``;
-"timer overhead" = timed calls x the measured cost of one timer (it lands in
-the callers' rows).  Runs alternate stock / fastbatch; outputs (token ids, and
-where asked for the logprobs: per position each entry's token id, logprob,
-rank and decoded token, and each output's cumulative logprob) must be
-identical.  Writes OUT/step_profile.json and
+spread. The garbage collector's collections (during the measured generate) are
+a row of their own, "garbage collection" (calls: collections), and are left
+out of every function's row they ran in: a full collection of the 1024-request
+heap takes hundreds of milliseconds, and would otherwise land whole in
+whichever function happened to allocate. Derived rows: "runner's own CPU" =
+``execute_model`` + ``sample_tokens`` - ``_model_forward`` - ``_sample`` - the
+draft model's forward passes (spec only); "scheduler" = ``schedule`` +
+``update_from_output``; "timer overhead" = timed calls x the measured cost of
+one timer (it lands in the callers' rows). Runs alternate stock / fastbatch;
+outputs (token ids, and where asked for the logprobs: per position each
+entry's token id, logprob, rank and decoded token, and each output's
+cumulative logprob) must be identical. Writes OUT/step_profile.json and
 OUT/step_profile.md, and prints the markdown, the summary last.
 
 benchmarks/engine.py (``tox -e bench``) reuses this script's runs for its
@@ -63,7 +70,12 @@ from pathlib import Path
 from e2e import DEFAULT_VOCAB, TOOLS, engine_arguments, make_tiny_model, run_vllm
 
 sys.path.insert(0, str(TOOLS))
-from function_timers import INSTANCE_STEP_FUNCTIONS, PER_REQUEST_FUNCTIONS, STEP_FUNCTIONS
+from function_timers import (
+    GARBAGE_COLLECTION,
+    INSTANCE_STEP_FUNCTIONS,
+    PER_REQUEST_FUNCTIONS,
+    STEP_FUNCTIONS,
+)
 
 NUM_SPECULATIVE_TOKENS = 3
 WORKLOADS = {
@@ -79,6 +91,8 @@ WORKLOADS = {
     # logprobs1's earlier name (kept: the tests and older commands use it)
     "logprobs": {"describe": "greedy, logprobs=1 on every request", "settings": "logprobs",
                  "spec": False},
+    "structured": {"describe": "greedy, structured outputs (a regex) on every request",
+                   "settings": "structured", "spec": False},
     "spec": {"describe": f"greedy, draft model (itself), k={NUM_SPECULATIVE_TOKENS}",
              "settings": "greedy", "spec": True},
     "spec-repetition": {"describe": f"repetition penalty 1.2, draft model (itself), "
@@ -89,7 +103,7 @@ WORKLOADS = {
 # variants other than logprobs1).
 DEFAULT_WORKLOADS = ["greedy", "repetition", "logprobs1", "spec", "spec-repetition"]
 STEP = "engine step"
-FUNCTIONS = [*STEP_FUNCTIONS, *INSTANCE_STEP_FUNCTIONS]
+FUNCTIONS = [*STEP_FUNCTIONS, *INSTANCE_STEP_FUNCTIONS, GARBAGE_COLLECTION]
 # label -> (added, subtracted): computed per run from the timed functions.
 DERIVED = {
     "runner's own CPU": (["GPUModelRunner.execute_model", "GPUModelRunner.sample_tokens"],
@@ -129,7 +143,8 @@ def per_step_rows(report: dict) -> dict[str, dict[str, float]]:
             rows[label] = {"seconds": sum(rows[name]["seconds"] for name in added)
                            - sum(rows[name]["seconds"] for name in subtracted if name in rows),
                            "calls": None}
-    timed_calls = sum(timer["calls"] for timer in timers.values())
+    timed_calls = sum(timer["calls"] for label, timer in timers.items()
+                      if label != GARBAGE_COLLECTION)
     rows[TIMER_OVERHEAD] = {"seconds": timed_calls * profile["seconds_per_timed_call"] / steps,
                             "calls": timed_calls / steps}
     return rows

@@ -28,11 +28,20 @@ method stored at start-up; the draft model's ``forward``); those are named by
 an attribute path from a live object (``INSTANCE_STEP_FUNCTIONS``).
 
 A name that does not exist in the installed vLLM is reported as absent.
+
+The garbage collector's collections are timed on the same clock (through
+``gc.callbacks``) and reported as their own row, ``GARBAGE_COLLECTION``; a
+timer leaves out the collections that ran inside its call.  A full
+collection of a 1024-request engine's heap takes hundreds of milliseconds and
+lands in whichever function happens to allocate when the collector's
+thresholds are crossed: without this, one collection can add several
+milliseconds per step to one function of one run.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import importlib
 import sys
 import time
@@ -97,13 +106,17 @@ STEP_FUNCTIONS: dict[str, tuple[str, str]] = {
     "Scheduler._update_request_with_output": ("vllm.v1.core.sched.scheduler",
                                               "Scheduler._update_request_with_output"),
     "check_stop": ("vllm.v1.core.sched.utils", "check_stop"),
+    "Scheduler.get_grammar_bitmask": ("vllm.v1.core.sched.scheduler",
+                                      "Scheduler.get_grammar_bitmask"),
+    "StructuredOutputManager.accept_tokens": ("vllm.v1.structured_output",
+                                              "StructuredOutputManager.accept_tokens"),
 }
 
 # Called once per scheduled request per step: their timers cost about 0.16 us
 # a call inside the scheduler's rows, more on stock's side, which calls them
 # for every request (``--coarse`` leaves them out).
 PER_REQUEST_FUNCTIONS = ("KVCacheManager.allocate_slots", "Scheduler._update_request_with_output",
-                         "check_stop")
+                         "check_stop", "StructuredOutputManager.accept_tokens")
 
 # label -> attribute path from the in-process EngineCore.  "engine step" is
 # the step function EngineCore chose at start-up (``step``, or
@@ -117,13 +130,50 @@ INSTANCE_STEP_FUNCTIONS: dict[str, str] = {
 }
 
 
-class Timer:
-    """Seconds and calls of one label, over all of its bindings."""
+GARBAGE_COLLECTION = "garbage collection"
 
-    __slots__ = ("calls", "clock", "running", "seconds")
+
+class Collections:
+    """Seconds and number of the garbage collector's collections, on
+    ``clock``, while installed (``install``, ``remove``)."""
+
+    __slots__ = ("calls", "clock", "seconds", "started")
 
     def __init__(self, clock: Any = time.perf_counter) -> None:
         self.clock = clock
+        self.seconds = 0.0
+        self.calls = 0
+        self.started: float | None = None
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.started = self.clock()
+        elif self.started is not None:
+            self.seconds += self.clock() - self.started
+            self.calls += 1
+            self.started = None
+
+    def install(self) -> None:
+        gc.callbacks.append(self._callback)
+
+    def remove(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def reset(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+
+
+class Timer:
+    """Seconds and calls of one label, over all of its bindings; the seconds
+    leave out the garbage collections of ``collections`` that ran inside."""
+
+    __slots__ = ("calls", "clock", "collections", "running", "seconds")
+
+    def __init__(self, clock: Any = time.perf_counter,
+                 collections: Collections | None = None) -> None:
+        self.clock = clock
+        self.collections = collections or Collections(clock)
         self.seconds = 0.0
         self.calls = 0
         self.running = False
@@ -135,17 +185,19 @@ class Timer:
 
 def _timed(function: Any, timer: Timer) -> Any:
     clock = timer.clock
+    collections = timer.collections
 
     @functools.wraps(function)
     def timed(*args: Any, **kwargs: Any) -> Any:
         if timer.running:  # super() or recursion: the outermost call counts
             return function(*args, **kwargs)
         timer.running = True
+        collected = collections.seconds
         start = clock()
         try:
             return function(*args, **kwargs)
         finally:
-            timer.seconds += clock() - start
+            timer.seconds += clock() - start - (collections.seconds - collected)
             timer.calls += 1
             timer.running = False
 
@@ -193,12 +245,16 @@ def _wrap_module_function(module: Any, name: str, timer: Timer) -> list[str]:
 class FunctionTimers:
     """Timers installed on the functions named by ``functions`` (label ->
     (module, qualname)) and ``instance_functions`` (label -> attribute path
-    from ``root``, a live object), reading ``clock``."""
+    from ``root``, a live object), reading ``clock``; and the garbage
+    collections, which the timers leave out (``report``'s
+    ``GARBAGE_COLLECTION`` row)."""
 
     def __init__(self, functions: dict[str, tuple[str, str]],
                  instance_functions: dict[str, str] | None = None, root: Any = None,
                  clock: Any = time.perf_counter) -> None:
         self.clock = clock
+        self.collections = Collections(clock)
+        self.collections.install()
         self.timers: dict[str, Timer] = {}
         self.where: dict[str, list[str]] = {}
         self.absent: list[str] = []
@@ -208,7 +264,7 @@ class FunctionTimers:
             self._install(label, lambda p=path: self._bind_instance(root, p))
 
     def _install(self, label: str, bind: Any) -> None:
-        timer = Timer(self.clock)
+        timer = Timer(self.clock, self.collections)
         try:
             where = bind()(timer)
         except (ImportError, AttributeError):
@@ -248,10 +304,15 @@ class FunctionTimers:
     def reset(self) -> None:
         for timer in self.timers.values():
             timer.reset()
+        self.collections.reset()
 
     def report(self) -> dict[str, dict[str, float]]:
-        return {label: {"seconds": timer.seconds, "calls": timer.calls}
-                for label, timer in self.timers.items()}
+        """label -> seconds and calls; ``GARBAGE_COLLECTION``: the
+        collections' seconds and number."""
+        return {**{label: {"seconds": timer.seconds, "calls": timer.calls}
+                   for label, timer in self.timers.items()},
+                GARBAGE_COLLECTION: {"seconds": self.collections.seconds,
+                                     "calls": self.collections.calls}}
 
 
 def seconds_per_timed_call(repeats: int = 200_000, clock: Any = time.perf_counter) -> float:

@@ -56,6 +56,9 @@ from function_timers import (
 # --settings kinds with logprobs on every prompt -> SamplingParams.logprobs
 # ("logprobs": the name of logprobs=1 before there were three).
 LOGPROBS_SETTINGS = {"logprobs=0": 0, "logprobs=1": 1, "logprobs=5": 5, "logprobs": 1}
+# --settings structured: every output matches it (lower-case words and
+# spaces), and it never completes, so that max_tokens ends every request.
+STRUCTURED_REGEX = "[a-z ]*"
 
 PROMPTS = [
     "Hello world", "The quick brown fox", "Once upon a time there was",
@@ -100,6 +103,11 @@ def _settings(kind: str, bad_words: list[str]) -> list[tuple[str, dict]]:
         return [("repetition_penalty", {"repetition_penalty": 1.2})]
     if kind in LOGPROBS_SETTINGS:
         return [(kind, {"logprobs": LOGPROBS_SETTINGS[kind]})]
+    if kind == "structured":
+        from vllm.sampling_params import StructuredOutputsParams
+
+        return [("structured", {"structured_outputs": StructuredOutputsParams(
+            regex=STRUCTURED_REGEX)})]
     return [
         ("repetition_penalty", {"repetition_penalty": 1.5}),
         ("presence_penalty", {"presence_penalty": 1.0}),
@@ -200,14 +208,16 @@ def main() -> None:
     parser.add_argument("--varied", action="store_true",
                         help="with --max-tokens N: N/2 to N, varying by prompt")
     parser.add_argument("--settings",
-                        choices=("mixed", "penalties", "greedy", "repetition",
+                        choices=("mixed", "penalties", "greedy", "repetition", "structured",
                                  *LOGPROBS_SETTINGS),
                         default="mixed",
                         help="mixed: penalties, bad words, logprobs=2 and plain greedy; penalties: "
                              "repetition/presence/frequency penalties on every prompt; "
                              "greedy: plain greedy; repetition: a repetition penalty on "
                              "every prompt; logprobs=N (N = 0, 1, 5): greedy with "
-                             "logprobs=N on every prompt; logprobs: logprobs=1")
+                             "logprobs=N on every prompt; logprobs: logprobs=1; "
+                             "structured: greedy, a regex (structured outputs, vLLM's "
+                             "default backend) on every prompt")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="default: vLLM's")
