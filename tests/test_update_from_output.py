@@ -505,6 +505,38 @@ def test_logprob_requests_that_stop_go_to_vllm(monkeypatch, implementation, runn
 
 
 @pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
+@pytest.mark.parametrize("cls", [Scheduler, AsyncScheduler])
+def test_structured_output_requests_go_to_vllm(monkeypatch, implementation, cls):
+    """A request with a grammar (r0, r2) is left to vLLM's loop, whose
+    ``accept_tokens`` advances it; the others are taken; the step is stock's,
+    and the grammar sees each token once."""
+    patch._bind()
+    monkeypatch.setattr(fastbatch, "take_decode_outputs", implementation.take_decode_outputs)
+    monkeypatch.setattr(fastbatch, "merge_decode_outputs",
+                        implementation.merge_decode_outputs)
+    implementation.reset_stats()
+    states, advanced = [], []
+    for method in (STOCK, patch.update_from_output):
+        side = _state(cls, True, DECODES, True)
+        scheduler, grammar, accepted = side[0], object(), []
+        for request_id in ("r0", "r2"):
+            scheduler.requests[request_id].structured_output_request = grammar
+
+        def accept_tokens(request, tokens, accepted=accepted, grammar=grammar):
+            if request.structured_output_request is grammar:
+                accepted.append((request.request_id, list(tokens)))
+            return True
+
+        scheduler.structured_output_manager = SimpleNamespace(accept_tokens=accept_tokens)
+        states.append(patch._side_state(scheduler, method(*side)))
+        advanced.append(accepted)
+    assert states[1] == states[0]
+    assert advanced[1] == advanced[0] and [rid for rid, _ in advanced[0]] == ["r0", "r2"]
+    assert implementation.update_from_output.stats() == {"fast_outputs": 2,
+                                                         "stock_outputs": 2}
+
+
+@pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
 @pytest.mark.parametrize("runner_logprobs", ["cu-short", "cu-not-int", "tuple", "lists", "0-d"])
 def test_logprobs_the_fast_path_cannot_slice_go_to_vllm(monkeypatch, implementation,
                                                         runner_logprobs):

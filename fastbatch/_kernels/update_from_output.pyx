@@ -210,9 +210,7 @@ cdef int _classify(dict attrs, object tokens, object drafts, Py_ssize_t num_sche
     mm_features = attrs.get("mm_features")
     if type(mm_features) is not list or len(<list>mm_features) != 0:
         return 0
-    if (attrs.get("pooling_params") is not None
-            or attrs.get("structured_output_request") is not None
-            or attrs.get("prefill_stats") is not None):
+    if attrs.get("pooling_params") is not None or attrs.get("prefill_stats") is not None:
         return 0
     params = attrs.get("sampling_params")
     # ``num_logprobs`` (the property, pinned by the guard) is ``logprobs``:
@@ -386,6 +384,14 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
             request = (<dict>requests).get(req_id)
             if request is not None and request.client_index != 0:
                 return None  # outputs of several front-ends: vLLM's loop orders them
+            if (type(request) is kinds[0]
+                    and request.structured_output_request is not None):
+                # A grammar to advance (accept_tokens): vLLM's loop, told
+                # before anything else of the request is read.
+                slots[i] = req_id
+                rest[req_id] = num_obj
+                i += 1
+                continue
             request_drafts = (<dict>spec_tokens).get(req_id) or None
             if (request is None or not _int_value(num_obj, &num_scheduled)
                     or num_scheduled <= 0

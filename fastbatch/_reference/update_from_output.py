@@ -172,8 +172,7 @@ def _classify(request: Any, tokens: Any, drafts: Any, num_scheduled: int,
     mm_features = request.mm_features
     if type(mm_features) is not list or mm_features:
         return None
-    if (request.pooling_params is not None or request.structured_output_request is not None
-            or request.prefill_stats is not None):
+    if request.pooling_params is not None or request.prefill_stats is not None:
         return None
     params = request.sampling_params
     if params is None or params.logprob_token_ids:
@@ -301,6 +300,10 @@ def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_outp
         request = requests.get(req_id)
         if request is not None and request.client_index != 0:
             return None
+        if type(request) is kinds[0] and request.structured_output_request is not None:
+            slots.append(req_id)  # a grammar to advance (accept_tokens): vLLM's loop
+            rest[req_id] = num_scheduled
+            continue
         request_drafts = spec_tokens.get(req_id) or None
         if (request is None or not _is_int(num_scheduled) or num_scheduled <= 0
                 or (request_drafts is not None and not drafts)
