@@ -448,9 +448,11 @@ STOPS = [DECODES[0], (2, 31, 1, 1, RequestStatus.RUNNING, 14), DECODES[2],
          (3, 7, 1, 1, RequestStatus.RUNNING, 4)]  # r1 by its stop token, r3 by max_tokens
 
 
-def _one_step(monkeypatch, implementation, cls, specs, logprobs, runner_logprobs):
+def _one_step(monkeypatch, implementation, cls, specs, logprobs, runner_logprobs,
+              prepare=None):
     """vLLM's method and fastbatch's (with ``implementation``'s call) on the
-    same step: both sides, their results (or what each raised)."""
+    same step (``prepare``, if given, called on each side's scheduler first):
+    both sides, their results (or what each raised)."""
     patch._bind()
     monkeypatch.setattr(fastbatch, "take_decode_outputs", implementation.take_decode_outputs)
     monkeypatch.setattr(fastbatch, "merge_decode_outputs",
@@ -459,6 +461,8 @@ def _one_step(monkeypatch, implementation, cls, specs, logprobs, runner_logprobs
     sides, results = [], []
     for method in (STOCK, patch.update_from_output):
         side = _state(cls, True, specs, True, logprobs, runner_logprobs)
+        if prepare is not None:
+            prepare(side[0])
         try:
             results.append(method(*side))
         except Exception as exc:
@@ -510,27 +514,24 @@ def test_structured_output_requests_go_to_vllm(monkeypatch, implementation, cls)
     """A request with a grammar (r0, r2) is left to vLLM's loop, whose
     ``accept_tokens`` advances it; the others are taken; the step is stock's,
     and the grammar sees each token once."""
-    patch._bind()
-    monkeypatch.setattr(fastbatch, "take_decode_outputs", implementation.take_decode_outputs)
-    monkeypatch.setattr(fastbatch, "merge_decode_outputs",
-                        implementation.merge_decode_outputs)
-    implementation.reset_stats()
-    states, advanced = [], []
-    for method in (STOCK, patch.update_from_output):
-        side = _state(cls, True, DECODES, True)
-        scheduler, grammar, accepted = side[0], object(), []
+    advanced = []
+
+    def with_grammars(scheduler):
+        grammar, accepted = object(), []
         for request_id in ("r0", "r2"):
             scheduler.requests[request_id].structured_output_request = grammar
 
-        def accept_tokens(request, tokens, accepted=accepted, grammar=grammar):
+        def accept_tokens(request, tokens):
             if request.structured_output_request is grammar:
                 accepted.append((request.request_id, list(tokens)))
             return True
 
         scheduler.structured_output_manager = SimpleNamespace(accept_tokens=accept_tokens)
-        states.append(patch._side_state(scheduler, method(*side)))
         advanced.append(accepted)
-    assert states[1] == states[0]
+
+    (stock, fast), (stock_result, fast_result) = _one_step(
+        monkeypatch, implementation, cls, DECODES, None, "none", with_grammars)
+    assert patch._side_state(fast[0], fast_result) == patch._side_state(stock[0], stock_result)
     assert advanced[1] == advanced[0] and [rid for rid, _ in advanced[0]] == ["r0", "r2"]
     assert implementation.update_from_output.stats() == {"fast_outputs": 2,
                                                          "stock_outputs": 2}
