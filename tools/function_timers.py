@@ -31,11 +31,11 @@ A name that does not exist in the installed vLLM is reported as absent.
 
 The garbage collector's collections are timed on the same clock (through
 ``gc.callbacks``) and reported as their own row, ``GARBAGE_COLLECTION``; a
-timer leaves out the collections that ran inside its call.  A full
-collection of a 1024-request engine's heap takes hundreds of milliseconds and
-lands in whichever function happens to allocate when the collector's
-thresholds are crossed: without this, one collection can add several
-milliseconds per step to one function of one run.
+timer leaves out the collections that ran inside its call.  A collection
+lands whole in whichever function happens to allocate when the collector's
+thresholds are crossed, and its cost grows with every object tracked (a
+full one walks the whole heap): without this, a function's row would carry
+collections that are not its own work.
 """
 
 from __future__ import annotations
