@@ -165,15 +165,14 @@ class Collections:
 
 
 class Timer:
-    """Seconds and calls of one label, over all of its bindings; the seconds
-    leave out the garbage collections of ``collections`` that ran inside."""
+    """Seconds and calls of one label, over all of its bindings, on the clock
+    of ``collections``; the seconds leave out its collections that ran
+    inside."""
 
-    __slots__ = ("calls", "clock", "collections", "running", "seconds")
+    __slots__ = ("calls", "collections", "running", "seconds")
 
-    def __init__(self, clock: Any = time.perf_counter,
-                 collections: Collections | None = None) -> None:
-        self.clock = clock
-        self.collections = collections or Collections(clock)
+    def __init__(self, collections: Collections) -> None:
+        self.collections = collections
         self.seconds = 0.0
         self.calls = 0
         self.running = False
@@ -184,8 +183,8 @@ class Timer:
 
 
 def _timed(function: Any, timer: Timer) -> Any:
-    clock = timer.clock
     collections = timer.collections
+    clock = collections.clock
 
     @functools.wraps(function)
     def timed(*args: Any, **kwargs: Any) -> Any:
@@ -252,7 +251,6 @@ class FunctionTimers:
     def __init__(self, functions: dict[str, tuple[str, str]],
                  instance_functions: dict[str, str] | None = None, root: Any = None,
                  clock: Any = time.perf_counter) -> None:
-        self.clock = clock
         self.collections = Collections(clock)
         self.collections.install()
         self.timers: dict[str, Timer] = {}
@@ -264,7 +262,7 @@ class FunctionTimers:
             self._install(label, lambda p=path: self._bind_instance(root, p))
 
     def _install(self, label: str, bind: Any) -> None:
-        timer = Timer(self.clock, self.collections)
+        timer = Timer(self.collections)
         try:
             where = bind()(timer)
         except (ImportError, AttributeError):
@@ -321,7 +319,7 @@ def seconds_per_timed_call(repeats: int = 200_000, clock: Any = time.perf_counte
     def nothing() -> None:
         return None
 
-    timed = _timed(nothing, Timer(clock))
+    timed = _timed(nothing, Timer(Collections(clock)))
     best = []
     for function in (nothing, timed, nothing, timed):
         start = clock()
