@@ -20,6 +20,7 @@
 import copy
 import dataclasses
 import functools
+import gc
 import itertools
 import logging
 
@@ -220,6 +221,32 @@ def test_worked_example(implementation):
                                             "corrected": 2}
 
 
+def test_a_given_correction_is_called_instead_of_the_processors(implementation):
+    """With ``correct``, each U+FFFD text kept is ``correct(token, context)``,
+    given what the processor's own method would be given; that one is not
+    called."""
+    stock = VllmProcessor(TEXTS, False, 1)
+    ours = VllmProcessor(TEXTS, False, 1)
+    ours._correct_decoded_token = None  # calling it would be a TypeError
+    calls = []
+
+    def correct(token, context):
+        calls.append((token, list(context)))
+        return stock._correct_decoded_token(token, context)
+
+    lists = [(np.array([[65, 0xC3, 66]], dtype=np.int32),
+              np.array([[-0.5, -1.0, -2.0]], dtype=np.float32), np.array([2]), None),
+             (np.array([[0xC3, 256], [0xA9, 0xA9]], dtype=np.int64),
+              np.array([[-1.0, -0.25], [-0.125, -0.125]], dtype=np.float32),
+              np.array([3, 1]), None)]
+    for logprobs_lists in lists:
+        stock.vllm_update(logprobs_lists)
+        implementation.update_sample_logprobs(ours, logprobs_lists, {}, convert, KINDS,
+                                              correct)
+    assert outcome(ours) == outcome(stock)
+    assert calls == [(0xC3, []), (0xC3, [65]), (0xA9, [65, 0xC3]), (0xA9, [65, 0xC3])]
+
+
 def test_flat_container_and_every_logprob(implementation):
     processor = VllmProcessor(None, True, -1, cumulative=-1.5)
     lists = (np.array([[7, 8, 9]], dtype=np.int32),
@@ -316,6 +343,8 @@ def test_no_leak_on_success_or_error():
         for flat in (False, True):
             processor = VllmProcessor(TEXTS, flat, 2)
             kernel.update_sample_logprobs(processor, good, texts, convert, KINDS)
+            kernel.update_sample_logprobs(processor, good, texts, convert, KINDS,
+                                          processor._correct_decoded_token)
             with pytest.raises(TypeError):
                 kernel.update_sample_logprobs(processor, bad, texts, convert, KINDS)
 
@@ -480,10 +509,77 @@ def test_input_the_kernel_does_not_take_runs_vllm_method():
     assert fastbatch.stats()[NAME]["calls"] == 0
 
 
+def pool_queue(tokenizer):
+    """The queue of a vLLM tokenizer pool (``maybe_make_thread_pool``)."""
+    borrow = type(tokenizer).decode.__closure__[0].cell_contents.__wrapped__
+    cells = dict(zip(borrow.__code__.co_freevars, borrow.__closure__, strict=True))
+    return cells["tokenizer_pool"].cell_contents
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+def test_pooled_corrections_borrow_once_each():
+    """A vLLM tokenizer pool's U+FFFD corrections: vLLM's own
+    ``_correct_decoded_token`` on one tokenizer borrowed from the pool for the
+    whole correction (vLLM's borrows once per ``decode``, up to four and more
+    a correction); the texts are vLLM's, and the pool gets its tokenizer back."""
+    tokenizer = copy.deepcopy(tokenizers()["byte-level"])  # a fresh pool (its __reduce__)
+    queue = pool_queue(tokenizer)
+    borrows = []
+    get_nowait = queue.get_nowait
+    queue.get_nowait = lambda: borrows.append(1) or get_nowait()
+    ids = tokenizer.encode("\u0436\u0449 \U0001f41d \u2713", add_special_tokens=False)
+    steps = [as_logprobs_lists((np.array([[token, ids[0]]], dtype=np.int32),
+                                np.array([[-1.0, -2.0]], dtype=np.float32), np.array([1]), None))
+             for token in ids]
+    first, second, stock = (real_processor(tokenizer, False, 1) for _ in range(3))
+    for lists in steps:
+        vllm_method()(stock, lists)
+        patch._update_sample_logprobs(first, lists)  # fills the table
+    del borrows[:]
+    fastbatch.reset_stats()
+    for lists in steps:  # the table knows every id: only the corrections decode
+        patch._update_sample_logprobs(second, lists)
+    corrected = fastbatch.stats()[NAME]["corrected"]
+    assert corrected > 0 and len(borrows) == corrected
+    assert queue.qsize() == 1
+    assert outcome(first) == outcome(second) == outcome(stock)
+    assert patch.corrector_of(patch.ByteTokenizer()) is None  # not a pool: the processor's
+    count = len(patch._TABLES)  # the corrector does not keep its pool alive
+    del tokenizer, first, second, stock
+    gc.collect()
+    assert len(patch._TABLES) == count - 1
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+def test_a_subclass_correction_is_called_on_the_processor():
+    """A processor whose class has its own ``_correct_decoded_token`` gets it
+    called, pooled tokenizer or not."""
+    from vllm.logprobs import create_sample_logprobs
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    class Marking(LogprobsProcessor):
+        def _correct_decoded_token(self, token_id, context_token_ids):
+            return f"<{token_id}>"
+
+    tokenizer = tokenizers()["byte-level"]
+    ids = tokenizer.encode("\u0436\u0449", add_special_tokens=False)
+    made = [Marking(tokenizer=tokenizer, logprobs=create_sample_logprobs(False),
+                    prompt_logprobs=None, cumulative_logprob=0.0, num_logprobs=0,
+                    num_prompt_logprobs=None) for _ in range(2)]
+    for token in ids:
+        lists = as_logprobs_lists((np.array([[token]], dtype=np.int32),
+                                   np.array([[-1.0]], dtype=np.float32), np.array([1]), None))
+        vllm_method()(made[0], lists)
+        patch._update_sample_logprobs(made[1], lists)
+    assert outcome(made[1]) == outcome(made[0])
+    assert any(text.startswith("<") for entry in made[1].logprobs
+               for text in (logprob.decoded_token for logprob in entry.values()))
+
+
 @pytest.mark.vllm
 def test_a_table_per_tokenizer_that_goes_with_it():
-    import gc
-
     first, second = patch.ByteTokenizer(), patch.ByteTokenizer()
     table = patch.texts_of(first)
     assert patch.texts_of(first) is table and patch.texts_of(second) is not table
@@ -516,11 +612,11 @@ def test_activation_check_refuses_a_wrong_kernel(monkeypatch, logs, broken):
 
     real = fastbatch.update_sample_logprobs
 
-    def wrong(processor, lists, texts, convert, kinds):
+    def wrong(processor, lists, texts, convert, kinds, correct=None):
         if broken == "raises":
             raise RuntimeError("boom")
         lists = (lists[0], lists[1], lists[2] + 1, None)  # every sampled rank one off
-        return real(processor, lists, texts, convert, kinds)
+        return real(processor, lists, texts, convert, kinds, correct)
 
     monkeypatch.setattr(fastbatch, "update_sample_logprobs", wrong)
     assert PIECE.apply() is False
@@ -546,10 +642,10 @@ def test_disable_leaves_it_stock(monkeypatch):
 
 # --- FASTBATCH_VERIFY: the shadow check -----------------------------------------
 
-def kernel_wrong_for_wide_requests(processor, lists, texts, convert, kinds):
+def kernel_wrong_for_wide_requests(processor, lists, texts, convert, kinds, correct=None):
     """The real kernel, then the last entry's text changed, for requests with
     more than three logprobs (the activation check's have at most two)."""
-    found = REAL_KERNEL(processor, lists, texts, convert, kinds)
+    found = REAL_KERNEL(processor, lists, texts, convert, kinds, correct)
     if processor.num_logprobs > 3 and type(processor.logprobs) is list:
         last = processor.logprobs[-1]
         token = list(last)[-1]

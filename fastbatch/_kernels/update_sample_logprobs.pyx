@@ -185,7 +185,7 @@ cdef list _context(object processor, object container, const Array* token_ids,
 
 
 def update_sample_logprobs(processor, logprobs_lists, dict texts not None, convert,
-                           tuple kinds not None):
+                           tuple kinds not None, correct=None):
     """Append the positions of ``logprobs_lists`` to ``processor.logprobs``
     and their sampled logprobs to ``processor.cumulative_logprob``.
 
@@ -196,9 +196,10 @@ def update_sample_logprobs(processor, logprobs_lists, dict texts not None, conve
     (filled here from ``convert(tokenizer, [id])``, vLLM's
     ``convert_ids_list_to_tokens``; unused without a tokenizer); ``kinds`` is
     ``(Logprob, FlatLogprobs)``.  A text that ends in U+FFFD is replaced by
-    the processor's own ``_correct_decoded_token``, as vLLM's
-    ``_verify_tokens`` does, for every entry kept (vLLM also corrects the
-    columns beyond a request's ``num_logprobs + 1`` that it then drops).
+    ``correct(token, context)``, or without it the processor's own
+    ``_correct_decoded_token``, as vLLM's ``_verify_tokens`` does, for every
+    entry kept (vLLM also corrects the columns beyond a request's
+    ``num_logprobs + 1`` that it then drops).
 
     Anything this call cannot take as vLLM would (another container or
     dtype, no column, a non-float cumulative logprob...) is a TypeError or
@@ -280,7 +281,10 @@ def update_sample_logprobs(processor, logprobs_lists, dict texts not None, conve
                     if _unfinished(text):
                         if context is None:
                             context = _context(processor, container, &token_ids, p)
-                        text = processor._correct_decoded_token(token, context)
+                        if correct is None:
+                            text = processor._correct_decoded_token(token, context)
+                        else:
+                            text = correct(token, context)
                         _corrected += 1
                     decoded[p * kept + c] = text
         # Pass 2: append each position and add its sampled logprob.

@@ -73,11 +73,12 @@ def _context(processor: Any, container: Any, token_ids: list, position: int) -> 
 
 
 def update_sample_logprobs(processor: Any, logprobs_lists: Any, texts: dict[int, str],
-                           convert: Any, kinds: tuple[type, type]) -> int:
+                           convert: Any, kinds: tuple[type, type], correct: Any = None) -> int:
     """vLLM's ``LogprobsProcessor._update_sample_logprobs`` (0.32.0 to 0.33.0):
     for each position, every entry's text (the table's, or ``convert``'s; one
-    ending in U+FFFD corrected by the processor's ``_correct_decoded_token``
-    with the sampled context), the sampled logprob added to the cumulative
+    ending in U+FFFD corrected with the sampled context by
+    ``correct(token, context)``, or without it by the processor's
+    ``_correct_decoded_token``), the sampled logprob added to the cumulative
     one, and the entries zipped with the ranks ``(rank, 1..num_logprobs)``
     appended as a dict of ``Logprob`` or to the ``FlatLogprobs``.  Everything
     is checked and every text found before anything is written.
@@ -142,7 +143,10 @@ def update_sample_logprobs(processor: Any, logprobs_lists: Any, texts: dict[int,
                 if text.endswith("\ufffd"):
                     if context is None:
                         context = _context(processor, container, token_ids, p)
-                    text = processor._correct_decoded_token(token, context)
+                    if correct is None:
+                        text = processor._correct_decoded_token(token, context)
+                    else:
+                        text = correct(token, context)
                     _stats["corrected"] += 1
                 decoded[p][c] = text
     # Pass 2: append each position and add its sampled logprob.

@@ -16,12 +16,16 @@ its text, which vLLM would compute again on every occurrence; a
 tokenizer's decoding of one id does not change over its life.  A text that
 ends in U+FFFD (a lone byte of a longer UTF-8 sequence) is replaced by the
 processor's own ``_correct_decoded_token`` with the sampled context, exactly
-as vLLM's ``_verify_tokens`` does for every entry kept.  (vLLM also corrects
-the entries of the columns beyond the request's ``num_logprobs + 1`` that
-it then drops, in a batch with a wider request; nothing of them is kept, so
-fastbatch does not compute them.)  A processor or input the compiled call
-does not take (another container type, a dtype other than int32/int64 and
-float32/float64, an unhashable tokenizer...) runs vLLM's method.
+as vLLM's ``_verify_tokens`` does for every entry kept; with one of vLLM's
+tokenizer pools (``maybe_make_thread_pool``), that method runs on one
+tokenizer borrowed from the pool for the whole correction (``Lent``), not
+one borrow per ``decode`` (the borrow is more than half of a pooled
+decode's cost).  (vLLM also corrects the entries of the columns beyond the
+request's ``num_logprobs + 1`` that it then drops, in a batch with a wider
+request; nothing of them is kept, so fastbatch does not compute them.)  A
+processor or input the compiled call does not take (another container
+type, a dtype other than int32/int64 and float32/float64, an unhashable
+tokenizer...) runs vLLM's method.
 
 Why: with ``logprobs`` on every request (RL rollouts), this method was
 3.7 s of the output processor's 4.0 s in a cProfile of 256 concurrent
@@ -42,10 +46,16 @@ corrected), ``_get_sampled_context_ids`` (the context, called by fastbatch
 with a smaller window for the positions of this call),
 ``append_logprobs_for_next_position`` and ``FlatLogprobs.append_fast`` (the
 entries and ranks), ``convert_ids_list_to_tokens`` (one id at a time gives
-what the list call gives for it).  The activation check runs vLLM's method
-and fastbatch's side by side on processors of a small byte-level tokenizer
-that produces U+FFFD (list and flat containers, ``num_logprobs`` 0, 1, -1
-and narrower than the batch, several positions, no tokenizer).
+what the list call gives for it), ``_correct_decoded_token`` (it reads
+nothing of ``self`` but ``self.tokenizer``) and ``maybe_make_thread_pool``
+(the pool's ``decode`` borrows a deep copy of the same tokenizer and calls
+its ``decode``; fastbatch knows a pool by that method's code object and
+borrows through the same ``_borrow_from_pool``).  The activation check runs
+vLLM's method and fastbatch's side by side on processors of a small
+byte-level tokenizer that produces U+FFFD (list and flat containers,
+``num_logprobs`` 0, 1, -1 and narrower than the batch, several positions,
+no tokenizer); the pooled corrections are checked by the tests (real pooled
+tokenizers) and by the shadow, whose vLLM method decodes through the pool.
 
 Shadow check (``FASTBATCH_VERIFY``): the snapshot keeps the processor with a
 copy of its container (the list, or the six lists of the ``FlatLogprobs``:
@@ -89,32 +99,108 @@ COMPANION_FINGERPRINTS = {
     "vllm.tokenizers.detokenizer_utils:convert_ids_list_to_tokens": {
         "fed8da48c1494b30d707c9fd55e217e2f8cc484faae1de31c90ca11cb52f4f9b":
             "vLLM 0.32.0-0.33.0"},
+    f"{MODULE}:LogprobsProcessor._correct_decoded_token": {
+        "dad9ddbe0945fb4ba0668e3c1d32797725e841d491c49ded680eb1a4947e2db3":
+            "vLLM 0.32.0-0.33.0"},
+    "vllm.tokenizers.hf:maybe_make_thread_pool": {
+        "5951034387bbf8d5a4427402a1139fe597eaf616888abb90f19cfadf69857f1d":
+            "vLLM 0.32.0-0.33.0"},
 }
 FLAT_LISTS = ("start_indices", "end_indices", "token_ids", "logprobs", "ranks",
               "decoded_tokens")
 
-# The texts of each tokenizer's ids, as its own calls gave them; the last
-# tokenizer's table is kept at hand (weakly: the tables go with their tokenizers).
-_TABLES: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
-_last: tuple[Any, dict[int, str]] = (lambda: None, {})
+# Per tokenizer: the texts of its ids, as its own calls gave them, and how
+# its U+FFFD corrections are made (None: the processor's own method); the
+# last tokenizer's are kept at hand (weakly: they go with their tokenizers).
+_TABLES: weakref.WeakKeyDictionary[Any, tuple[dict[int, str], Any]] = \
+    weakref.WeakKeyDictionary()
+_last: tuple[Any, dict[int, str], Any] = (lambda: None, {}, None)
 _NO_TEXTS: dict[int, str] = {}  # without a tokenizer no text is looked up
+_POOL_MODULE = "vllm.tokenizers.hf"
+_POOL_DECODE = "maybe_make_thread_pool.<locals>.TokenizerPool.decode"
+
+
+class Lent:
+    """The ``self`` of vLLM's ``LogprobsProcessor._correct_decoded_token`` for
+    one correction with a pooled tokenizer: that method reads nothing of
+    ``self`` but ``self.tokenizer`` (pinned by the guard), here one of the
+    pool's tokenizers, borrowed once for the whole correction.
+
+    vLLM's tokenizer pool (``maybe_make_thread_pool``) lends one of its deep
+    copies for every call, so each of a correction's up to four ``decode``
+    calls costs a context manager and a queue get and put: more than half of
+    a pooled decode.  Any of the copies decodes as the pool's ``decode`` does
+    (that method borrows one and calls its ``decode``), and a correction
+    holds it no longer than vLLM's own decodes would, in turn.
+    """
+
+    __slots__ = ("tokenizer",)
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+
+def pooled_corrector(borrow: Any) -> Any:
+    """``correct(token, context)``: vLLM's ``_correct_decoded_token`` on a
+    tokenizer ``borrow`` (the pool's own ``_borrow_from_pool``) lends for it."""
+    def correct(token_id: int, context_token_ids: list[int]) -> str:
+        with borrow() as tokenizer:
+            return _correct_decoded_token()(Lent(tokenizer), token_id, context_token_ids)
+
+    return correct
+
+
+def _correct_decoded_token() -> Any:
+    return sys.modules[MODULE].LogprobsProcessor._correct_decoded_token
+
+
+def _pool_decode_code() -> Any:
+    """The code of the ``decode`` of the pools ``maybe_make_thread_pool`` makes."""
+    pending = [sys.modules[_POOL_MODULE].maybe_make_thread_pool.__code__]
+    while pending:
+        code = pending.pop()
+        if code.co_qualname == _POOL_DECODE:
+            return code
+        pending += [const for const in code.co_consts if type(const) is type(code)]
+    return None
+
+
+def corrector_of(tokenizer: Any) -> Any:
+    """``correct(token, context)`` for ``tokenizer``'s U+FFFD corrections, if
+    ``tokenizer`` is one of vLLM's tokenizer pools (``pooled_corrector``),
+    else None (the processor's own method)."""
+    decode = getattr(type(tokenizer), "decode", None)
+    code = getattr(decode, "__code__", None)
+    if (code is None or _POOL_MODULE not in sys.modules or code is not _pool_decode_code()
+            or code.co_freevars != ("_borrow_from_pool",)):
+        return None
+    return pooled_corrector(decode.__closure__[0].cell_contents)
+
+
+def _tokenizer_entry(tokenizer: Any) -> tuple[dict[int, str], Any] | None:
+    """``(texts, correct)`` of ``tokenizer``, or None where a tokenizer cannot
+    key them (unhashable, no weak reference)."""
+    global _last
+    if tokenizer is None:
+        return _NO_TEXTS, None
+    ref, table, correct = _last
+    if ref() is tokenizer:
+        return table, correct
+    try:
+        entry = _TABLES.get(tokenizer)
+        if entry is None:
+            entry = _TABLES[tokenizer] = ({}, corrector_of(tokenizer))
+        _last = (weakref.ref(tokenizer), *entry)
+    except TypeError:
+        return None
+    return entry
 
 
 def texts_of(tokenizer: Any) -> dict[int, str] | None:
     """The table of ``tokenizer``'s texts (``{}`` for no tokenizer), or None
     where a tokenizer cannot key one (unhashable, no weak reference)."""
-    global _last
-    if tokenizer is None:
-        return _NO_TEXTS
-    ref, table = _last
-    if ref() is tokenizer:
-        return table
-    try:
-        table = _TABLES.setdefault(tokenizer, {})
-        _last = (weakref.ref(tokenizer), table)
-    except TypeError:
-        return None
-    return table
+    entry = _tokenizer_entry(tokenizer)
+    return None if entry is None else entry[0]
 
 
 _KINDS: tuple[type, type] | None = None  # (Logprob, FlatLogprobs), bound on first use
@@ -139,14 +225,18 @@ def _stock_method() -> Any:
 def _update_sample_logprobs(self: Any, logprobs_lists: Any) -> None:
     """fastbatch's drop-in for ``LogprobsProcessor._update_sample_logprobs``."""
     tokenizer = self.tokenizer
-    ref, texts = _last
+    ref, texts, correct = _last
     if ref() is not tokenizer:
-        texts = texts_of(tokenizer)
+        entry = _tokenizer_entry(tokenizer)
+        texts, correct = (None, None) if entry is None else entry
     if texts is not None:
+        if (correct is not None
+                and type(self)._correct_decoded_token is not _correct_decoded_token()):
+            correct = None  # a subclass's own correction: called on the processor
         try:
             fastbatch.update_sample_logprobs(
                 self, logprobs_lists, texts, sys.modules[MODULE].convert_ids_list_to_tokens,
-                _KINDS or _kinds())
+                _KINDS or _kinds(), correct)
             return
         except (TypeError, ValueError):  # checked before anything was written
             pass
