@@ -247,6 +247,28 @@ def test_a_given_correction_is_called_instead_of_the_processors(implementation):
     assert calls == [(0xC3, []), (0xC3, [65]), (0xA9, [65, 0xC3]), (0xA9, [65, 0xC3])]
 
 
+def test_the_compiled_logprobs_are_left_to_the_collector_untracked():
+    """The compiled call's ``Logprob`` objects hold a float, an int and a
+    str, and each position's dict int keys and those: neither is tracked by
+    the garbage collector, so its full collections do not walk the history
+    (the twin's and vLLM's are tracked); a dict tracks itself again when a
+    container is stored in it."""
+    processor = VllmProcessor(TEXTS, False, 1)
+    lists = (np.array([[65, 66], [67, 0xC3]], dtype=np.int32),
+             np.zeros((2, 2), dtype=np.float32), np.array([1, 2]), None)
+    fastbatch._kernels.update_sample_logprobs(processor, lists, {}, convert, KINDS)
+    made = [logprob for entry in processor.logprobs for logprob in entry.values()]
+    assert len(made) == 4 and not any(gc.is_tracked(logprob) for logprob in made)
+    assert not any(gc.is_tracked(entry) for entry in processor.logprobs)
+    processor.logprobs[0]["added"] = []
+    assert gc.is_tracked(processor.logprobs[0])
+    stock = VllmProcessor(TEXTS, False, 1)
+    stock.vllm_update(lists)
+    del processor.logprobs[0]["added"]
+    assert outcome(processor) == outcome(stock)
+    assert all(gc.is_tracked(logprob) for entry in stock.logprobs for logprob in entry.values())
+
+
 def test_flat_container_and_every_logprob(implementation):
     processor = VllmProcessor(None, True, -1, cumulative=-1.5)
     lists = (np.array([[7, 8, 9]], dtype=np.int32),

@@ -40,6 +40,10 @@ cdef uint64_t _positions = 0
 cdef uint64_t _decoded = 0
 cdef uint64_t _corrected = 0
 
+cdef extern from "Python.h":
+    bint PyObject_IS_GC(object obj)
+    void PyObject_GC_UnTrack(void* op)
+
 cdef bint LITTLE_ENDIAN = sys.byteorder == "little"
 # The text vLLM corrects: one that ends in U+FFFD (an unfinished UTF-8 sequence).
 cdef Py_UCS4 REPLACEMENT = 0xFFFD
@@ -248,10 +252,11 @@ def update_sample_logprobs(processor, logprobs_lists, dict texts not None, conve
     cdef Array token_ids, logprobs, ranks
     cdef int held = 0
     cdef Py_ssize_t num_positions, kept, num_ranks, p, c
+    cdef bint leaves = True
     cdef double total
     cdef PyObject** table = token_table()
     cdef list decoded
-    cdef object token, text, context, rank, entry, value
+    cdef object token, text, context, rank, entry, value, logprob
     try:
         _view(<object>PyTuple_GET_ITEM(logprobs_lists, 0), &id_buffer, &token_ids, 2, b"i",
               "logprobs_lists[0] (token ids)")
@@ -296,6 +301,7 @@ def update_sample_logprobs(processor, logprobs_lists, dict texts not None, conve
                 (<list>lists[0]).append(PyList_GET_SIZE(lists[3]))
             else:
                 entry = {}
+                leaves = True
             for c in range(kept):
                 token = _token(table, _int_at(&token_ids, p, c))
                 value = _float_at(&logprobs, p, c)
@@ -306,11 +312,19 @@ def update_sample_logprobs(processor, logprobs_lists, dict texts not None, conve
                     PyList_Append(lists[4], rank if c == 0 else c)
                     PyList_Append(lists[5], text)
                 else:
-                    PyDict_SetItem(entry, token,
-                                   logprob_type(value, rank if c == 0 else c, text))
+                    logprob = logprob_type(value, rank if c == 0 else c, text)
+                    if type(logprob) is logprob_type and PyObject_IS_GC(logprob):
+                        # A float, an int and a str (or None): nothing for the
+                        # collector to find in it (see the patch module).
+                        PyObject_GC_UnTrack(<PyObject*>logprob)
+                    else:
+                        leaves = False
+                    PyDict_SetItem(entry, token, logprob)
             if flat:
                 (<list>lists[1]).append(PyList_GET_SIZE(lists[3]))
             else:
+                if leaves:  # int keys, untracked values: as the collector leaves such dicts
+                    PyObject_GC_UnTrack(<PyObject*>entry)
                 PyList_Append(container, entry)
         (<dict>attrs)["cumulative_logprob"] = total
         _calls += 1
