@@ -41,9 +41,9 @@ with the whole engine step and the forward pass for scale, and the garbage
 collector's collections (their own row: left out of the stages they ran
 in).  The token ids (and the logprobs, where asked for: per position each
 entry's token id, logprob, rank and decoded token, and each output's
-cumulative logprob) must be identical between every run and stock's first, or the script exits
-non-zero.  Writes OUT/engine.json and
-OUT/engine.md, and prints the table.
+cumulative logprob) must be identical between every run and stock's first,
+or the script exits non-zero.  Writes OUT/engine.json and OUT/engine.md,
+and prints the table.
 """
 
 from __future__ import annotations

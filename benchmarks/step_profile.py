@@ -43,8 +43,8 @@ the engine step, calls per step; medians over the runs, with the min-max
 spread. The garbage collector's collections (during the measured generate) are
 a row of their own, "garbage collection" (calls: collections), and are left
 out of every function's row they ran in: a collection would otherwise land
-whole in whichever function happened to allocate. Derived rows: "runner's own CPU" =
-``execute_model`` + ``sample_tokens`` - ``_model_forward`` - ``_sample`` - the
+whole in whichever function happened to allocate. Derived rows: "runner's
+own CPU" = ``execute_model`` + ``sample_tokens`` - ``_model_forward`` - ``_sample`` - the
 draft model's forward passes (spec only); "scheduler" = ``schedule`` +
 ``update_from_output``; "timer overhead" = timed calls x the measured cost of
 one timer (it lands in the callers' rows). Runs alternate stock / fastbatch;

@@ -222,15 +222,16 @@ def test_worked_example(implementation):
 
 
 def test_a_given_correction_is_called_instead_of_the_processors(implementation):
-    """With ``correct``, each U+FFFD text kept is ``correct(token, context)``,
-    given what the processor's own method would be given; that one is not
-    called."""
+    """With ``correct``, each U+FFFD text kept is ``correct(processor, token,
+    context)``, given what the processor's own method would be given; that
+    one is not called."""
     stock = VllmProcessor(TEXTS, False, 1)
     ours = VllmProcessor(TEXTS, False, 1)
     ours._correct_decoded_token = None  # calling it would be a TypeError
     calls = []
 
-    def correct(token, context):
+    def correct(processor, token, context):
+        assert processor is ours
         calls.append((token, list(context)))
         return stock._correct_decoded_token(token, context)
 
@@ -366,7 +367,7 @@ def test_no_leak_on_success_or_error():
             processor = VllmProcessor(TEXTS, flat, 2)
             kernel.update_sample_logprobs(processor, good, texts, convert, KINDS)
             kernel.update_sample_logprobs(processor, good, texts, convert, KINDS,
-                                          processor._correct_decoded_token)
+                                          VllmProcessor._correct_decoded_token)
             with pytest.raises(TypeError):
                 kernel.update_sample_logprobs(processor, bad, texts, convert, KINDS)
 

@@ -200,8 +200,8 @@ def update_sample_logprobs(processor, logprobs_lists, dict texts not None, conve
     (filled here from ``convert(tokenizer, [id])``, vLLM's
     ``convert_ids_list_to_tokens``; unused without a tokenizer); ``kinds`` is
     ``(Logprob, FlatLogprobs)``.  A text that ends in U+FFFD is replaced by
-    ``correct(token, context)``, or without it the processor's own
-    ``_correct_decoded_token``, as vLLM's ``_verify_tokens`` does, for every
+    ``correct(processor, token, context)``, or without it the processor's
+    own ``_correct_decoded_token``, as vLLM's ``_verify_tokens`` does, for every
     entry kept (vLLM also corrects the columns beyond a request's
     ``num_logprobs + 1`` that it then drops).
 
@@ -252,7 +252,7 @@ def update_sample_logprobs(processor, logprobs_lists, dict texts not None, conve
     cdef Array token_ids, logprobs, ranks
     cdef int held = 0
     cdef Py_ssize_t num_positions, kept, num_ranks, p, c
-    cdef bint leaves = True
+    cdef bint leaves
     cdef double total
     cdef PyObject** table = token_table()
     cdef list decoded
@@ -289,7 +289,7 @@ def update_sample_logprobs(processor, logprobs_lists, dict texts not None, conve
                         if correct is None:
                             text = processor._correct_decoded_token(token, context)
                         else:
-                            text = correct(token, context)
+                            text = correct(processor, token, context)
                         _corrected += 1
                     decoded[p * kept + c] = text
         # Pass 2: append each position and add its sampled logprob.

@@ -79,7 +79,7 @@ def update_sample_logprobs(processor: Any, logprobs_lists: Any, texts: dict[int,
     """vLLM's ``LogprobsProcessor._update_sample_logprobs`` (0.32.0 to 0.33.0):
     for each position, every entry's text (the table's, or ``convert``'s; one
     ending in U+FFFD corrected with the sampled context by
-    ``correct(token, context)``, or without it by the processor's
+    ``correct(processor, token, context)``, or without it by the processor's
     ``_correct_decoded_token``), the sampled logprob added to the cumulative
     one, and the entries zipped with the ranks ``(rank, 1..num_logprobs)``
     appended as a dict of ``Logprob`` or to the ``FlatLogprobs``.  Everything
@@ -148,7 +148,7 @@ def update_sample_logprobs(processor: Any, logprobs_lists: Any, texts: dict[int,
                     if correct is None:
                         text = processor._correct_decoded_token(token, context)
                     else:
-                        text = correct(token, context)
+                        text = correct(processor, token, context)
                     _stats["corrected"] += 1
                 decoded[p][c] = text
     # Pass 2: append each position and add its sampled logprob.

@@ -150,11 +150,15 @@ class Lent:
 
 
 def pooled_corrector(borrow: Any) -> Any:
-    """``correct(token, context)``: vLLM's ``_correct_decoded_token`` on a
-    tokenizer ``borrow`` (the pool's own ``_borrow_from_pool``) lends for it."""
-    def correct(token_id: int, context_token_ids: list[int]) -> str:
+    """``correct(processor, token, context)``: vLLM's ``_correct_decoded_token``
+    on a tokenizer ``borrow`` (the pool's own ``_borrow_from_pool``) lends for
+    it; a processor whose class has its own correction gets that one called."""
+    def correct(processor: Any, token_id: int, context_token_ids: list[int]) -> str:
+        vllm_correct = _correct_decoded_token()
+        if type(processor)._correct_decoded_token is not vllm_correct:
+            return processor._correct_decoded_token(token_id, context_token_ids)
         with borrow() as tokenizer:
-            return _correct_decoded_token()(Lent(tokenizer), token_id, context_token_ids)
+            return vllm_correct(Lent(tokenizer), token_id, context_token_ids)
 
     return correct
 
@@ -175,14 +179,14 @@ def _pool_decode_code() -> Any:
 
 
 def corrector_of(tokenizer: Any) -> Any:
-    """``correct(token, context)`` for ``tokenizer``'s U+FFFD corrections, if
-    ``tokenizer`` is one of vLLM's tokenizer pools (``pooled_corrector``),
-    else None (the processor's own method)."""
+    """``correct(processor, token, context)`` for ``tokenizer``'s U+FFFD
+    corrections if ``tokenizer`` is one of vLLM's tokenizer pools
+    (``pooled_corrector``), else None (the processor's own method)."""
     decode = getattr(type(tokenizer), "decode", None)
     code = getattr(decode, "__code__", None)
-    if (code is None or _POOL_MODULE not in sys.modules or code is not _pool_decode_code()
-            or code.co_freevars != ("_borrow_from_pool",)):
+    if code is None or _POOL_MODULE not in sys.modules or code is not _pool_decode_code():
         return None
+    # That code (pinned with maybe_make_thread_pool) closes over _borrow_from_pool only.
     return pooled_corrector(decode.__closure__[0].cell_contents)
 
 
@@ -239,9 +243,6 @@ def _update_sample_logprobs(self: Any, logprobs_lists: Any) -> None:
         entry = _tokenizer_entry(tokenizer)
         texts, correct = (None, None) if entry is None else entry
     if texts is not None:
-        if (correct is not None
-                and type(self)._correct_decoded_token is not _correct_decoded_token()):
-            correct = None  # a subclass's own correction: called on the processor
         try:
             fastbatch.update_sample_logprobs(
                 self, logprobs_lists, texts, sys.modules[MODULE].convert_ids_list_to_tokens,
