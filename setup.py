@@ -37,7 +37,8 @@ extensions = [
         ["fastbatch/_kernels/*.pyx"],
         include_dirs=["fastbatch/_kernels"],
         depends=["fastbatch/_kernels/_pylong.h", "fastbatch/_kernels/_common.pxd",
-                 "fastbatch/_kernels/_prefetch.h", "fastbatch/_kernels/_prefetch.pxd"],
+                 "fastbatch/_kernels/_prefetch.h", "fastbatch/_kernels/_prefetch.pxd",
+                 "fastbatch/_kernels/_ndarray.h"],
         extra_compile_args=extra_compile_args,
         undef_macros=["NDEBUG"] if DEBUG else [],
     )

@@ -158,9 +158,17 @@ def steps(draw, max_id=260):
             dtype=draw(st.sampled_from([np.float32, np.float64])))
         ranks = np.array(draw(st.lists(st.integers(1, 5000), min_size=positions,
                                        max_size=positions)), dtype=np.int64)
-        if draw(st.booleans()) and positions:  # views with strides, as vLLM's slices are
+        # Arrays of their own (read through the buffer protocol), rows sliced
+        # from a larger array as vLLM's ``slice_request`` makes them, or views
+        # with strides (both read in place).
+        layout = draw(st.sampled_from(["own", "slice", "strided"]))
+        if layout == "slice":
+            ids, values, ranks = (np.concatenate([array[:1], array, array[:1]])[1:-1]
+                                  for array in (ids, values, ranks))
+        elif layout == "strided" and positions:
             ids = np.repeat(ids, 2, axis=0)[::2]
             values = np.repeat(values, 2, axis=0)[::2]
+            ranks = np.repeat(ranks, 2)[::2]
         calls.append((ids, values, ranks, None))
     return flat, num_logprobs, with_tokenizer, calls
 
@@ -303,6 +311,14 @@ def _bad_cases():
         ("int logprobs", processor(), lists(values=ids), TypeError, "float32 or float64"),
         ("float16 logprobs", processor(), lists(values=values.astype(np.float16)), TypeError,
          "float32 or float64"),
+        ("a view of float16 logprobs", processor(),
+         lists(values=values.astype(np.float16)[:1]), TypeError, "float32 or float64"),
+        ("a view of big-endian token ids", processor(), lists(ids=ids.astype(">i8")[:1]),
+         TypeError, "2-D int32 or int64"),
+        ("a view of unsigned token ids", processor(), lists(ids=ids.astype(np.uint32)[:1]),
+         TypeError, "2-D int32 or int64"),
+        ("a view of 1-D ranks' 2-D rows", processor(), lists(ranks=np.array([[1]])[:1]),
+         TypeError, "sampled ranks"),
         ("a list of ranks", processor(), lists(ranks=[1]), TypeError, "sampled ranks"),
         ("no column", processor(), lists(ids=ids[:, :0]), ValueError, "no column"),
         ("num_logprobs None", processor(num_logprobs=None), lists(), TypeError,

@@ -77,12 +77,78 @@ ctypedef struct Array:
     Py_ssize_t itemsize       # 4 or 8: int32/float32 or int64/float64
 
 
-cdef int _view(object source, Py_buffer* buffer, Array* array, int ndim, char kind,
-               str name) except -1:
-    """Acquire ``source`` as a ``ndim``-D int32/int64 (``kind`` b"i") or
-    float32/float64 (b"f") array of any strides; a TypeError naming ``name``
-    for anything else, with nothing held."""
+cdef extern from "_ndarray.h":
+    const char* ndarray_data "fastbatch_ndarray_data"(object array) noexcept
+    int ndarray_ndim "fastbatch_ndarray_ndim"(object array) noexcept
+    bint ndarray_is_view "fastbatch_ndarray_is_view"(object array) noexcept
+    const Py_ssize_t* ndarray_dims "fastbatch_ndarray_dims"(object array) noexcept
+    const Py_ssize_t* ndarray_strides "fastbatch_ndarray_strides"(object array) noexcept
+    int ndarray_type_num "fastbatch_ndarray_type_num"(object array) noexcept
+    char ndarray_byteorder "fastbatch_ndarray_byteorder"(object array) noexcept
+    enum:
+        NPY_INT "FASTBATCH_NPY_INT"
+        NPY_LONG "FASTBATCH_NPY_LONG"
+        NPY_LONGLONG "FASTBATCH_NPY_LONGLONG"
+        NPY_FLOAT "FASTBATCH_NPY_FLOAT"
+        NPY_DOUBLE "FASTBATCH_NPY_DOUBLE"
+
+# numpy.ndarray, once numpy is imported (an array can only come from it).
+cdef object NDARRAY = None
+
+
+cdef bint _read_ndarray(object source, Array* array, int ndim, char kind) noexcept:
+    """Fill ``array`` from an exact numpy.ndarray view (a slice, as vLLM's
+    ``slice_request`` makes) of ``ndim`` dimensions and a native
+    int/long/long long (``kind`` b"i") or float/double (b"f") dtype, read in
+    place (see ``_ndarray.h``); False for anything else (the buffer protocol
+    then reads it)."""
+    global NDARRAY
+    if NDARRAY is None:
+        numpy = sys.modules.get("numpy")
+        if numpy is None:
+            return False
+        NDARRAY = numpy.ndarray
+    if (type(source) is not NDARRAY or ndarray_ndim(source) != ndim
+            or not ndarray_is_view(source)):
+        return False
+    cdef int type_num = ndarray_type_num(source)
+    cdef Py_ssize_t itemsize
+    if ndarray_byteorder(source) != b"=":
+        return False
+    if kind == b"i" and type_num == NPY_INT:
+        itemsize = sizeof(int)
+    elif kind == b"i" and type_num == NPY_LONG:
+        itemsize = sizeof(long)
+    elif kind == b"i" and type_num == NPY_LONGLONG:
+        itemsize = sizeof(long long)
+    elif kind == b"f" and type_num == NPY_FLOAT:
+        itemsize = sizeof(float)
+    elif kind == b"f" and type_num == NPY_DOUBLE:
+        itemsize = sizeof(double)
+    else:
+        return False
+    if itemsize != 4 and itemsize != 8:
+        return False
+    cdef const Py_ssize_t* dims = ndarray_dims(source)
+    cdef const Py_ssize_t* strides = ndarray_strides(source)
+    array.data = ndarray_data(source)
+    array.rows = dims[0]
+    array.row_stride = strides[0]
+    array.cols = dims[1] if ndim == 2 else 1
+    array.col_stride = strides[1] if ndim == 2 else 0
+    array.itemsize = itemsize
+    return True
+
+
+cdef bint _view(object source, Py_buffer* buffer, Array* array, int ndim, char kind,
+                str name) except -1:
+    """Read ``source`` as a ``ndim``-D int32/int64 (``kind`` b"i") or
+    float32/float64 (b"f") array of any strides: a numpy array in place, True
+    if ``buffer`` was acquired for it (the caller releases it); a TypeError
+    naming ``name`` for anything else, with nothing held."""
     cdef const char* fmt
+    if _read_ndarray(source, array, ndim, kind):
+        return False
     try:
         PyObject_GetBuffer(source, buffer, PyBUF_RECORDS_RO)
     except (TypeError, ValueError, BufferError) as exc:
@@ -100,7 +166,7 @@ cdef int _view(object source, Py_buffer* buffer, Array* array, int ndim, char ki
         array.cols = buffer.shape[1] if ndim == 2 else 1
         array.col_stride = buffer.strides[1] if ndim == 2 else 0
         array.itemsize = buffer.itemsize
-        return 0
+        return True
     found, form = buffer.ndim, buffer.format.decode()
     PyBuffer_Release(buffer)
     kinds = "int32 or int64" if kind == b"i" else "float32 or float64"
@@ -250,7 +316,7 @@ def update_sample_logprobs(processor, logprobs_lists, dict texts not None, conve
 
     cdef Py_buffer id_buffer, logprob_buffer, rank_buffer
     cdef Array token_ids, logprobs, ranks
-    cdef int held = 0
+    cdef bint held_ids = False, held_logprobs = False, held_ranks = False
     cdef Py_ssize_t num_positions, kept, num_ranks, p, c
     cdef bint leaves
     cdef double total
@@ -258,15 +324,12 @@ def update_sample_logprobs(processor, logprobs_lists, dict texts not None, conve
     cdef list decoded
     cdef object token, text, context, rank, entry, value, logprob
     try:
-        _view(<object>PyTuple_GET_ITEM(logprobs_lists, 0), &id_buffer, &token_ids, 2, b"i",
-              "logprobs_lists[0] (token ids)")
-        held = 1
-        _view(<object>PyTuple_GET_ITEM(logprobs_lists, 1), &logprob_buffer, &logprobs, 2,
-              b"f", "logprobs_lists[1] (logprobs)")
-        held = 2
-        _view(<object>PyTuple_GET_ITEM(logprobs_lists, 2), &rank_buffer, &ranks, 1, b"i",
-              "logprobs_lists[2] (sampled ranks)")
-        held = 3
+        held_ids = _view(<object>PyTuple_GET_ITEM(logprobs_lists, 0), &id_buffer,
+                         &token_ids, 2, b"i", "logprobs_lists[0] (token ids)")
+        held_logprobs = _view(<object>PyTuple_GET_ITEM(logprobs_lists, 1), &logprob_buffer,
+                              &logprobs, 2, b"f", "logprobs_lists[1] (logprobs)")
+        held_ranks = _view(<object>PyTuple_GET_ITEM(logprobs_lists, 2), &rank_buffer,
+                           &ranks, 1, b"i", "logprobs_lists[2] (sampled ranks)")
         # vLLM zips the three per position, and per entry the ids, the
         # logprobs and the ranks: (rank,) then 1..num_logprobs (-1: all).
         num_positions = min(token_ids.rows, logprobs.rows, ranks.rows)
@@ -331,9 +394,9 @@ def update_sample_logprobs(processor, logprobs_lists, dict texts not None, conve
         _positions += num_positions
         return num_positions
     finally:
-        if held >= 3:
+        if held_ranks:
             PyBuffer_Release(&rank_buffer)
-        if held >= 2:
+        if held_logprobs:
             PyBuffer_Release(&logprob_buffer)
-        if held >= 1:
+        if held_ids:
             PyBuffer_Release(&id_buffer)
