@@ -317,7 +317,7 @@ def _bad_cases():
          TypeError, "2-D int32 or int64"),
         ("a view of unsigned token ids", processor(), lists(ids=ids.astype(np.uint32)[:1]),
          TypeError, "2-D int32 or int64"),
-        ("a view of 1-D ranks' 2-D rows", processor(), lists(ranks=np.array([[1]])[:1]),
+        ("a view of 2-D ranks", processor(), lists(ranks=np.array([[1]])[:1]),
          TypeError, "sampled ranks"),
         ("a list of ranks", processor(), lists(ranks=[1]), TypeError, "sampled ranks"),
         ("no column", processor(), lists(ids=ids[:, :0]), ValueError, "no column"),
