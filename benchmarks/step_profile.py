@@ -11,7 +11,7 @@ tools/tiny_model.py (its forward pass is cheap, as on a GPU),
 ``--profile-step``: after ``LLM(...)`` is built (fastbatch's patches, if any,
 installed), every function of tools/function_timers.py's ``STEP_FUNCTIONS``
 is wrapped with a timer where it is looked up (``--coarse``: not those called
-once per request, whose timers weigh on the scheduler's rows); a warm-up
+once per request, whose timers weigh on their callers' rows); a warm-up
 generate of the same prompts runs first and is not counted.
 
 Workloads, each at every ``--concurrency`` C (C prompts, ``max_num_seqs`` C,
@@ -367,8 +367,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--coarse", action="store_true",
                         help="no timers on the functions called once per request "
-                             "(function_timers.PER_REQUEST_FUNCTIONS): the scheduler's rows "
-                             "without their overhead")
+                             "(function_timers.PER_REQUEST_FUNCTIONS): the rows of the "
+                             "scheduler and process_outputs without their overhead")
     parser.add_argument("--cpu-time", action="store_true",
                         help="timers read the engine thread's CPU time (time.thread_time), "
                              "not wall time: waiting for a core on a busy machine is not "

@@ -48,12 +48,19 @@ import time
 from typing import Any
 
 # label -> (module, qualname).  The functions of a V1 decode step, in the
-# order of the report: engine, runner (execute_model, then sample_tokens),
+# order of the report: engine (the output processor's calls for each request
+# after ``process_outputs``), runner (execute_model, then sample_tokens),
 # the async output, the input batch, sampling, the scheduler.
 STEP_FUNCTIONS: dict[str, tuple[str, str]] = {
     "LLMEngine.step": ("vllm.v1.engine.llm_engine", "LLMEngine.step"),
     "OutputProcessor.process_outputs": ("vllm.v1.engine.output_processor",
                                         "OutputProcessor.process_outputs"),
+    "LogprobsProcessor.update_from_output": ("vllm.v1.engine.logprobs",
+                                             "LogprobsProcessor.update_from_output"),
+    "BaseIncrementalDetokenizer.update": ("vllm.v1.engine.detokenizer",
+                                          "BaseIncrementalDetokenizer.update"),
+    "RequestState.make_request_output": ("vllm.v1.engine.output_processor",
+                                         "RequestState.make_request_output"),
     "GPUModelRunner.execute_model": ("vllm.v1.worker.gpu_model_runner",
                                      "GPUModelRunner.execute_model"),
     "GPUModelRunner._update_states": ("vllm.v1.worker.gpu_model_runner",
@@ -113,9 +120,12 @@ STEP_FUNCTIONS: dict[str, tuple[str, str]] = {
 }
 
 # Called once per scheduled request per step: their timers cost about 0.16 us
-# a call inside the scheduler's rows, more on stock's side, which calls them
-# for every request (``--coarse`` leaves them out).
-PER_REQUEST_FUNCTIONS = ("KVCacheManager.allocate_slots", "Scheduler._update_request_with_output",
+# a call inside the rows of ``process_outputs`` and the scheduler (the
+# scheduler's weigh more on stock's side, which calls them for every request;
+# ``--coarse`` leaves them all out).
+PER_REQUEST_FUNCTIONS = ("LogprobsProcessor.update_from_output",
+                         "BaseIncrementalDetokenizer.update", "RequestState.make_request_output",
+                         "KVCacheManager.allocate_slots", "Scheduler._update_request_with_output",
                          "check_stop", "StructuredOutputManager.accept_tokens")
 
 # label -> attribute path from the in-process EngineCore.  "engine step" is

@@ -235,7 +235,7 @@ def main() -> None:
                              "generate of the same prompts")
     parser.add_argument("--coarse", action="store_true",
                         help="with --profile-step: no timers on the functions called once "
-                             "per request (their cost lands in the scheduler's rows)")
+                             "per request (their cost lands in their callers' rows)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="with --profile-step: the timers read the thread's CPU time "
                              "(time.thread_time), not wall time, so that waiting for a core "
