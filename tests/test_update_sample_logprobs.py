@@ -555,39 +555,65 @@ def pool_queue(tokenizer):
     return cells["tokenizer_pool"].cell_contents
 
 
+def corrected_steps(tokenizer, text):
+    """One step per token of ``text``, each the token and the text's first
+    token as its top logprob (multi-byte characters: U+FFFD corrections)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return [as_logprobs_lists((np.array([[token, ids[0]]], dtype=np.int32),
+                               np.array([[-1.0, -2.0]], dtype=np.float32), np.array([1]), None))
+            for token in ids]
+
+
 @pytest.mark.vllm
 @pytest.mark.usefixtures("stock_vllm")
-def test_pooled_corrections_borrow_once_each():
-    """A vLLM tokenizer pool's U+FFFD corrections: vLLM's own
-    ``_correct_decoded_token`` on one tokenizer borrowed from the pool for the
-    whole correction (vLLM's borrows once per ``decode``, up to four and more
-    a correction); the texts are vLLM's, and the pool gets its tokenizer back."""
+def test_corrections_decode_each_id_list_once():
+    """A tokenizer's U+FFFD corrections are vLLM's own ``_correct_decoded_token``,
+    whose ``decode`` calls are answered from the tokenizer's memo where the same
+    ids were decoded before: the same steps again decode nothing (no borrow from
+    vLLM's tokenizer pool), and the texts are vLLM's each time."""
     tokenizer = copy.deepcopy(tokenizers()["byte-level"])  # a fresh pool (its __reduce__)
     queue = pool_queue(tokenizer)
     borrows = []
     get_nowait = queue.get_nowait
     queue.get_nowait = lambda: borrows.append(1) or get_nowait()
-    ids = tokenizer.encode("\u0436\u0449 \U0001f41d \u2713", add_special_tokens=False)
-    steps = [as_logprobs_lists((np.array([[token, ids[0]]], dtype=np.int32),
-                                np.array([[-1.0, -2.0]], dtype=np.float32), np.array([1]), None))
-             for token in ids]
+    steps = corrected_steps(tokenizer, "\u0436\u0449 \U0001f41d \u2713")
     first, second, stock = (real_processor(tokenizer, False, 1) for _ in range(3))
     for lists in steps:
         vllm_method()(stock, lists)
-        patch._update_sample_logprobs(first, lists)  # fills the table
+        patch._update_sample_logprobs(first, lists)  # fills the table and the memo
+    assert borrows
     del borrows[:]
     fastbatch.reset_stats()
-    for lists in steps:  # the table knows every id: only the corrections decode
+    for lists in steps:
         patch._update_sample_logprobs(second, lists)
-    corrected = fastbatch.stats()[NAME]["corrected"]
-    assert corrected > 0 and len(borrows) == corrected
+    assert fastbatch.stats()[NAME]["corrected"] > 0 and not borrows
     assert queue.qsize() == 1
     assert outcome(first) == outcome(second) == outcome(stock)
-    assert patch.corrector_of(patch.ByteTokenizer()) is None  # not a pool: the processor's
-    count = len(patch._TABLES)  # the corrector does not keep its pool alive
+    count = len(patch._TABLES)  # the memo does not keep its tokenizer alive
     del tokenizer, first, second, stock
     gc.collect()
     assert len(patch._TABLES) == count - 1
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+def test_a_full_memo_is_emptied_and_corrections_stay_vllms(monkeypatch):
+    """The memo holds at most ``MEMO_LIMIT`` id lists: when full it is emptied
+    before the next is kept, and every text is still vLLM's."""
+    monkeypatch.setattr(patch, "MEMO_LIMIT", 3)
+    tokenizer = copy.deepcopy(tokenizers()["byte-level"])
+    steps = corrected_steps(tokenizer, "\u0436\u0449\u0436\u0449 \U0001f41d\U0001f41d \u2713")
+    ours, stock = real_processor(tokenizer, False, 1), real_processor(tokenizer, False, 1)
+    correct = patch._tokenizer_entry(tokenizer)[1]
+    memo = dict(zip(correct.__code__.co_freevars, correct.__closure__,
+                    strict=True))["decodes"].cell_contents
+    sizes = []
+    for lists in steps:
+        vllm_method()(stock, lists)
+        patch._update_sample_logprobs(ours, lists)
+        sizes.append(len(memo))
+    assert outcome(ours) == outcome(stock)
+    assert max(sizes) == 3 and any(later < size for size, later in itertools.pairwise(sizes))
 
 
 @pytest.mark.vllm

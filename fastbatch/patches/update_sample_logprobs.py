@@ -16,11 +16,13 @@ its text, which vLLM would compute again on every occurrence; a
 tokenizer's decoding of one id does not change over its life.  A text that
 ends in U+FFFD (a lone byte of a longer UTF-8 sequence) is replaced by the
 processor's own ``_correct_decoded_token`` with the sampled context, exactly
-as vLLM's ``_verify_tokens`` does for every entry kept; with one of vLLM's
-tokenizer pools (``maybe_make_thread_pool``), that method runs on one
-tokenizer borrowed from the pool for the whole correction (``Lent``), not
-one borrow per ``decode`` (the borrow is more than half of a pooled
-decode's cost).  (vLLM also corrects the entries of the columns beyond the
+as vLLM's ``_verify_tokens`` does for every entry kept.  That method's
+``decode`` calls (up to four short id lists with context, each through
+vLLM's tokenizer pool a borrow) are answered from a per-tokenizer memo of
+what the tokenizer's own ``decode`` returned for the same ids
+(``MemoTokenizer``): the same multi-byte characters bring the same lists
+back, and a tokenizer's decoding of a list of ids does not change over its
+life either.  (vLLM also corrects the entries of the columns beyond the
 request's ``num_logprobs + 1`` that it then drops, in a batch with a wider
 request; nothing of them is kept, so fastbatch does not compute them.)  A
 processor or input the compiled call does not take (another container
@@ -56,15 +58,14 @@ with a smaller window for the positions of this call),
 ``append_logprobs_for_next_position`` and ``FlatLogprobs.append_fast`` (the
 entries and ranks), ``convert_ids_list_to_tokens`` (one id at a time gives
 what the list call gives for it), ``_correct_decoded_token`` (it reads
-nothing of ``self`` but ``self.tokenizer``) and ``maybe_make_thread_pool``
-(the pool's ``decode`` borrows a deep copy of the same tokenizer and calls
-its ``decode``; fastbatch knows a pool by that method's code object and
-borrows through the same ``_borrow_from_pool``).  The activation check runs
+nothing of ``self`` but ``self.tokenizer``, and calls nothing of it but
+``decode`` with a list of ids).  The activation check runs
 vLLM's method and fastbatch's side by side on processors of a small
 byte-level tokenizer that produces U+FFFD (list and flat containers,
 ``num_logprobs`` 0, 1, -1 and narrower than the batch, several positions,
-no tokenizer); the pooled corrections are checked by the tests (real pooled
-tokenizers) and by the shadow, whose vLLM method decodes through the pool.
+no tokenizer); the memo's corrections are checked by the tests (real
+pooled tokenizers, memo on and full) and by the shadow, whose vLLM method
+decodes through the tokenizer itself.
 
 Shadow check (``FASTBATCH_VERIFY``): the snapshot keeps the processor with a
 copy of its container (the list, or the six lists of the ``FlatLogprobs``:
@@ -111,37 +112,27 @@ COMPANION_FINGERPRINTS = {
     f"{MODULE}:LogprobsProcessor._correct_decoded_token": {
         "dad9ddbe0945fb4ba0668e3c1d32797725e841d491c49ded680eb1a4947e2db3":
             "vLLM 0.32.0-0.33.0"},
-    "vllm.tokenizers.hf:maybe_make_thread_pool": {
-        "5951034387bbf8d5a4427402a1139fe597eaf616888abb90f19cfadf69857f1d":
-            "vLLM 0.32.0-0.33.0"},
 }
 FLAT_LISTS = ("start_indices", "end_indices", "token_ids", "logprobs", "ranks",
               "decoded_tokens")
 
-# Per tokenizer: the texts of its ids, as its own calls gave them, and how
-# its U+FFFD corrections are made (None: the processor's own method); the
-# last tokenizer's are kept at hand (weakly: they go with their tokenizers).
+# Per tokenizer: the texts of its ids, as its own calls gave them, and its
+# U+FFFD corrector (``memo_corrector``); the last tokenizer's are kept at hand
+# (weakly: they go with their tokenizers).
 _TABLES: weakref.WeakKeyDictionary[Any, tuple[dict[int, str], Any]] = \
     weakref.WeakKeyDictionary()
 _last: tuple[Any, dict[int, str], Any] = (lambda: None, {}, None)
 _NO_TEXTS: dict[int, str] = {}  # without a tokenizer no text is looked up
-_POOL_MODULE = "vllm.tokenizers.hf"
-_POOL_DECODE = "maybe_make_thread_pool.<locals>.TokenizerPool.decode"
+# Per tokenizer, at most this many texts of the id lists its U+FFFD
+# corrections decoded (the memo is emptied when full): up to about 4 MB.
+MEMO_LIMIT = 1 << 14
 
 
 class Lent:
     """The ``self`` of vLLM's ``LogprobsProcessor._correct_decoded_token`` for
-    one correction with a pooled tokenizer: that method reads nothing of
-    ``self`` but ``self.tokenizer`` (pinned by the guard), here one of the
-    pool's tokenizers, borrowed once for the whole correction.
-
-    vLLM's tokenizer pool (``maybe_make_thread_pool``) lends one of its deep
-    copies for every call, so each of a correction's up to four ``decode``
-    calls costs a context manager and a queue get and put: more than half of
-    a pooled decode.  Any of the copies decodes as the pool's ``decode`` does
-    (that method borrows one and calls its ``decode``), and a correction
-    holds it no longer than vLLM's own decodes would, in turn.
-    """
+    one correction: that method reads nothing of ``self`` but
+    ``self.tokenizer`` and calls nothing of it but ``decode(ids)`` (pinned by
+    the guard); here that is a ``MemoTokenizer``."""
 
     __slots__ = ("tokenizer",)
 
@@ -149,45 +140,53 @@ class Lent:
         self.tokenizer = tokenizer
 
 
-def pooled_corrector(borrow: Any) -> Any:
-    """``correct(processor, token, context)``: vLLM's ``_correct_decoded_token``
-    on a tokenizer ``borrow`` (the pool's own ``_borrow_from_pool``) lends for
-    it; a processor whose class has its own correction gets that one called."""
+class MemoTokenizer:
+    """``decode(ids)`` of ``tokenizer``, answered from ``decodes`` (a
+    tokenizer's memo: the tuple of ids -> what its own ``decode`` returned
+    for them) where the same ids were decoded before.
+
+    A correction decodes up to four short id lists with context (each
+    through vLLM's tokenizer pool a borrow, a context manager and a queue
+    get and put), and the same multi-byte characters bring the same lists
+    back.  A tokenizer's decoding of a list of ids does not change over its
+    life, as the per-id table already relies on.
+    """
+
+    __slots__ = ("decodes", "tokenizer")
+
+    def __init__(self, decodes: dict[tuple[int, ...], str], tokenizer: Any) -> None:
+        self.decodes, self.tokenizer = decodes, tokenizer
+
+    def decode(self, ids: list[int]) -> str:
+        key = tuple(ids)
+        text = self.decodes.get(key)
+        if text is None:
+            text = self.tokenizer.decode(ids)
+            if len(self.decodes) >= MEMO_LIMIT:
+                self.decodes.clear()
+            self.decodes[key] = text
+        return text
+
+
+def memo_corrector() -> Any:
+    """``correct(processor, token, context)`` for one tokenizer's U+FFFD
+    corrections: vLLM's ``_correct_decoded_token`` with the processor's
+    tokenizer behind a memo of its decodes (``MemoTokenizer``), kept here;
+    a processor whose class has its own correction gets that one called."""
+    decodes: dict[tuple[int, ...], str] = {}
+
     def correct(processor: Any, token_id: int, context_token_ids: list[int]) -> str:
         vllm_correct = _correct_decoded_token()
         if type(processor)._correct_decoded_token is not vllm_correct:
             return processor._correct_decoded_token(token_id, context_token_ids)
-        with borrow() as tokenizer:
-            return vllm_correct(Lent(tokenizer), token_id, context_token_ids)
+        return vllm_correct(Lent(MemoTokenizer(decodes, processor.tokenizer)), token_id,
+                            context_token_ids)
 
     return correct
 
 
 def _correct_decoded_token() -> Any:
     return sys.modules[MODULE].LogprobsProcessor._correct_decoded_token
-
-
-def _pool_decode_code() -> Any:
-    """The code of the ``decode`` of the pools ``maybe_make_thread_pool`` makes."""
-    pending = [sys.modules[_POOL_MODULE].maybe_make_thread_pool.__code__]
-    while pending:
-        code = pending.pop()
-        if code.co_qualname == _POOL_DECODE:
-            return code
-        pending += [const for const in code.co_consts if type(const) is type(code)]
-    return None
-
-
-def corrector_of(tokenizer: Any) -> Any:
-    """``correct(processor, token, context)`` for ``tokenizer``'s U+FFFD
-    corrections if ``tokenizer`` is one of vLLM's tokenizer pools
-    (``pooled_corrector``), else None (the processor's own method)."""
-    decode = getattr(type(tokenizer), "decode", None)
-    code = getattr(decode, "__code__", None)
-    if code is None or _POOL_MODULE not in sys.modules or code is not _pool_decode_code():
-        return None
-    # That code (pinned with maybe_make_thread_pool) closes over _borrow_from_pool only.
-    return pooled_corrector(decode.__closure__[0].cell_contents)
 
 
 def _tokenizer_entry(tokenizer: Any) -> tuple[dict[int, str], Any] | None:
@@ -202,7 +201,7 @@ def _tokenizer_entry(tokenizer: Any) -> tuple[dict[int, str], Any] | None:
     try:
         entry = _TABLES.get(tokenizer)
         if entry is None:
-            entry = _TABLES[tokenizer] = ({}, corrector_of(tokenizer))
+            entry = _TABLES[tokenizer] = ({}, memo_corrector())
         _last = (weakref.ref(tokenizer), *entry)
     except TypeError:
         return None
