@@ -604,9 +604,7 @@ def test_a_full_memo_is_emptied_and_corrections_stay_vllms(monkeypatch):
     tokenizer = copy.deepcopy(tokenizers()["byte-level"])
     steps = corrected_steps(tokenizer, "\u0436\u0449\u0436\u0449 \U0001f41d\U0001f41d \u2713")
     ours, stock = real_processor(tokenizer, False, 1), real_processor(tokenizer, False, 1)
-    correct = patch._tokenizer_entry(tokenizer)[1]
-    memo = dict(zip(correct.__code__.co_freevars, correct.__closure__,
-                    strict=True))["decodes"].cell_contents
+    memo = patch._tokenizer_entry(tokenizer)[1].decodes
     sizes = []
     for lists in steps:
         vllm_method()(stock, lists)

@@ -117,7 +117,7 @@ FLAT_LISTS = ("start_indices", "end_indices", "token_ids", "logprobs", "ranks",
               "decoded_tokens")
 
 # Per tokenizer: the texts of its ids, as its own calls gave them, and its
-# U+FFFD corrector (``memo_corrector``); the last tokenizer's are kept at hand
+# U+FFFD corrector (``MemoCorrector``); the last tokenizer's are kept at hand
 # (weakly: they go with their tokenizers).
 _TABLES: weakref.WeakKeyDictionary[Any, tuple[dict[int, str], Any]] = \
     weakref.WeakKeyDictionary()
@@ -168,21 +168,24 @@ class MemoTokenizer:
         return text
 
 
-def memo_corrector() -> Any:
+class MemoCorrector:
     """``correct(processor, token, context)`` for one tokenizer's U+FFFD
     corrections: vLLM's ``_correct_decoded_token`` with the processor's
-    tokenizer behind a memo of its decodes (``MemoTokenizer``), kept here;
-    a processor whose class has its own correction gets that one called."""
-    decodes: dict[tuple[int, ...], str] = {}
+    tokenizer behind this corrector's memo of its decodes (``decodes``, see
+    ``MemoTokenizer``); a processor whose class has its own correction gets
+    that one called."""
 
-    def correct(processor: Any, token_id: int, context_token_ids: list[int]) -> str:
+    __slots__ = ("decodes",)
+
+    def __init__(self) -> None:
+        self.decodes: dict[tuple[int, ...], str] = {}
+
+    def __call__(self, processor: Any, token_id: int, context_token_ids: list[int]) -> str:
         vllm_correct = _correct_decoded_token()
         if type(processor)._correct_decoded_token is not vllm_correct:
             return processor._correct_decoded_token(token_id, context_token_ids)
-        return vllm_correct(Lent(MemoTokenizer(decodes, processor.tokenizer)), token_id,
+        return vllm_correct(Lent(MemoTokenizer(self.decodes, processor.tokenizer)), token_id,
                             context_token_ids)
-
-    return correct
 
 
 def _correct_decoded_token() -> Any:
@@ -201,7 +204,7 @@ def _tokenizer_entry(tokenizer: Any) -> tuple[dict[int, str], Any] | None:
     try:
         entry = _TABLES.get(tokenizer)
         if entry is None:
-            entry = _TABLES[tokenizer] = ({}, memo_corrector())
+            entry = _TABLES[tokenizer] = ({}, MemoCorrector())
         _last = (weakref.ref(tokenizer), *entry)
     except TypeError:
         return None
