@@ -6,7 +6,8 @@ spec-decode workload with a repetition penalty (the one that reaches the most
 functions: the rejection sampler, penalties, the draft model, the spec-token
 update), 8 requests x 8 tokens.  The numbers are not checked, only that every
 function of the table exists in this vLLM, that the step's functions were
-timed, and that the outputs were identical.  The demonstration runs its
+timed, and that the outputs were identical; and the same of the
+structured-outputs workload.  The demonstration runs its
 logprobs workload (the one whose outputs have the most to compare: token ids
 and logprobs) once each way, 8 requests x 16 tokens, and its JSON is checked.
 """
@@ -30,6 +31,8 @@ CALLED = [
     "RejectionSampler.parse_output", "apply_all_penalties", "penalties._convert_to_tensors",
     "InputBatch.update_async_output_token_ids", "InputBatch.update_async_spec_token_ids",
     "GPUModelRunner._get_draft_token_ids_cpu", "drafter model forward",
+    "BaseIncrementalDetokenizer.update", "LogprobsProcessor.update_from_output",
+    "RequestState.make_request_output",
 ]
 
 
@@ -70,6 +73,26 @@ def test_step_profile_runs_and_outputs_match(tmp_path, coarse):
     assert "### spec-repetition at 8 concurrent requests" in markdown
     assert result.stdout.rstrip().endswith("step_profile.md")
     assert "## Summary" in result.stdout.split("### spec-repetition")[-1]
+
+
+def test_step_profile_of_structured_outputs(tmp_path):
+    """The ``structured`` workload (a regex on every request, vLLM's default
+    backend): outputs identical, and the grammar's functions timed on both
+    sides, every request's tokens accepted by the grammar."""
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "step_profile.py"), "--workloads", "structured",
+         "--concurrency", "8", "--max-tokens", "8", "--runs", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-5000:]
+    (config,) = json.loads((tmp_path / "step_profile.json").read_text())["results"]
+    assert config["outputs_identical"] is True
+    for variant in ("stock", "fastbatch"):
+        rows = config[variant]["rows"]
+        assert config[variant]["output_tokens"] == 64
+        assert rows["Scheduler.get_grammar_bitmask"]["calls_per_step"] >= 0.75, variant
+        # One accept per request per step (the first token's included).
+        assert rows["StructuredOutputManager.accept_tokens"]["calls_per_step"] > 4, variant
+    assert "### structured at 8 concurrent requests" in (tmp_path / "step_profile.md").read_text()
 
 
 def test_engine_demonstration_runs_and_outputs_match(tmp_path):
