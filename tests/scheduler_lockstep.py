@@ -12,7 +12,10 @@ In the workloads with sample logprobs (``LOGPROB_WORKLOADS``) some requests
 ask for them and the runner answers, when any request of the step does, with
 a ``LogprobsLists`` (one row per request, or one per sampled token found
 through ``cu_num_generated_tokens``) or with none; each side gets its own
-copy of the arrays.
+copy of the arrays.  In the workloads with grammars (``GRAMMAR_WORKLOADS``)
+some requests have structured output: a stand-in grammar, advanced through
+vLLM's own ``StructuredOutputManager``, that refuses a token or none (vLLM
+then stops the request with an error).
 
 After every step the harness compares, as plain data:
 
@@ -99,6 +102,9 @@ class Workload:
     # step's SchedulerStats (spec decoding's counts among them) is compared
     # with the rest of the outputs; events' timestamps are not.
     log_stats: bool = False
+    # Structured output: the chance that a request has a grammar (half of them
+    # refuse one token, which the runner samples now and then).
+    grammar_probability: float = 0.0
 
 
 WORKLOADS = (
@@ -147,6 +153,19 @@ LOGPROB_WORKLOADS = (
              runner_logprobs=("rows", "cu")),
 )
 LOGPROB_CHOICES = (0, 1, 5, -1)
+
+# Workloads with structured output (not in WORKLOADS: the other pieces' tests
+# keep theirs).
+GRAMMAR_WORKLOADS = (
+    Workload("grammar", max_num_seqs=24, grammar_probability=0.6),
+    Workload("grammar-async", async_scheduling=True, max_num_seqs=24,
+             grammar_probability=0.6, abort_probability=0.05),
+    Workload("grammar-logprobs-preemption-async", async_scheduling=True, num_blocks=28,
+             max_num_seqs=12, arrival_probability=0.7, max_prompt=40, max_output=160,
+             eos_probability=0.05, logprobs_probability=0.5, grammar_probability=0.5),
+    Workload("grammar-spec-decode", abort_probability=0.05, num_spec_tokens=3,
+             num_lookahead_tokens=3, grammar_probability=0.5),
+)
 
 # Workloads with spec decoding's drafts and lookahead slots (not in
 # WORKLOADS: the other pieces' tests keep theirs).
@@ -291,6 +310,33 @@ class RequestSpec:
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     logprobs: int | None = None
+    grammar: tuple[int, ...] | None = None  # the tokens its grammar refuses
+
+
+class StandInGrammar:
+    """A request's grammar: accepts every token but those it ``refuses``
+    (vLLM's interface: ``accept_tokens``, ``validate_tokens``,
+    ``is_terminated``), and keeps what it accepted."""
+
+    def __init__(self, refuses: tuple[int, ...]) -> None:
+        self.refuses, self.accepted = refuses, []
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        if any(token in self.refuses for token in tokens):
+            return False
+        self.accepted.extend(tokens)
+        return True
+
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        valid = []
+        for token in tokens:
+            if token in self.refuses:
+                break
+            valid.append(token)
+        return valid
+
+    def is_terminated(self) -> bool:
+        return False
 
 
 @functools.cache
@@ -306,16 +352,22 @@ def block_hasher(block_size: int) -> Any:
 
 def make_request(spec: RequestSpec, block_size: int) -> Any:
     """A fresh vLLM ``Request`` (each scheduler gets its own objects)."""
-    from vllm.sampling_params import SamplingParams
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
     from vllm.v1.request import Request
 
-    params = SamplingParams(max_tokens=spec.max_tokens, min_tokens=spec.min_tokens,
-                            stop_token_ids=list(spec.stop_token_ids),
-                            ignore_eos=spec.ignore_eos, logprobs=spec.logprobs)
+    params = SamplingParams(
+        max_tokens=spec.max_tokens, min_tokens=spec.min_tokens,
+        stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
+        logprobs=spec.logprobs,
+        structured_outputs=None if spec.grammar is None else StructuredOutputsParams(
+            regex="[a-z]*"))
     params.update_from_generation_config({}, EOS_TOKEN_ID)
-    return Request(request_id=spec.request_id, prompt_token_ids=list(spec.prompt),
-                   sampling_params=params, pooling_params=None, arrival_time=0.0,
-                   block_hasher=block_hasher(block_size))
+    request = Request(request_id=spec.request_id, prompt_token_ids=list(spec.prompt),
+                      sampling_params=params, pooling_params=None, arrival_time=0.0,
+                      block_hasher=block_hasher(block_size))
+    if spec.grammar is not None:  # compiled already (vLLM's engine compiles it)
+        request.structured_output_request.grammar = StandInGrammar(spec.grammar)
+    return request
 
 
 def snapshot(value: Any, _depth: int = 0) -> Any:
@@ -392,7 +444,8 @@ def kv_state(scheduler: Any) -> dict[str, Any]:
 _REQUEST_FIELDS = ("status", "stop_reason", "_all_token_ids", "_output_token_ids",
                    "num_computed_tokens", "num_output_placeholders", "num_in_flight_tokens",
                    "num_preemptions", "is_prefill_chunk", "spec_token_ids", "block_hashes",
-                   "num_stale_output_tokens", "num_prompt_tokens", "max_tokens")
+                   "num_stale_output_tokens", "num_prompt_tokens", "max_tokens",
+                   "structured_output_request")
 
 
 def request_state(scheduler: Any) -> dict[str, Any]:
@@ -485,10 +538,13 @@ class Lockstep:
         logprobs = None
         if workload.logprobs_probability and rng.random() < workload.logprobs_probability:
             logprobs = rng.choice(LOGPROB_CHOICES)
+        grammar = None
+        if workload.grammar_probability and rng.random() < workload.grammar_probability:
+            grammar = (rng.randrange(3, VOCAB_SIZE),) if rng.random() < 0.5 else ()
         return RequestSpec(
             request_id=f"r{self.next_id}", prompt=prompt, max_tokens=max_tokens,
             min_tokens=min_tokens, stop_token_ids=stop, ignore_eos=ignore_eos,
-            logprobs=logprobs)
+            logprobs=logprobs, grammar=grammar)
 
     def _traffic(self) -> None:
         rng, workload = self.rng, self.workload

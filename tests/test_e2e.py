@@ -80,6 +80,9 @@ WORKLOADS = {
     "big-spec": ["--draft-model", "{model}", "--num-speculative-tokens", "3",
                  "--num-prompts", "30", "--max-num-seqs", "32", "--max-tokens", "40",
                  "--varied", "--no-plain"],
+    # A regex on every request (structured outputs, vLLM's default backend).
+    "structured": ["--settings", "structured", "--num-prompts", "24", "--max-tokens", "24",
+                   "--no-plain"],
 }
 
 
@@ -438,6 +441,24 @@ def test_spec_decode_every_call_checked_without_divergence(generate):
     assert_checked_without_divergence(worker, *sorted(worked))
     assert checked["reproducers"] == []
     assert checked["token_ids"] == stock["token_ids"]
+
+
+def test_structured_output_is_stock_and_verified(generate):
+    """A grammar on every request (xgrammar): the scheduler's compiled update
+    takes the requests and advances their grammars through vLLM's own
+    ``accept_tokens``; stock's tokens, and FASTBATCH_VERIFY=1 checks every
+    call without a divergence (its shadow never asks a grammar twice)."""
+    stock = generate(fastbatch=False, workload="structured")
+    ours = generate(fastbatch=True, workload="structured")
+    checked = generate(fastbatch=True, workload="structured", verify="1")
+    assert ours["token_ids"] == stock["token_ids"] == checked["token_ids"]
+    assert min(map(len, stock["token_ids"])) == 24  # the regex never completes
+    (worker,) = ours["workers"]
+    assert worker["stats"]["update_from_output"]["fast_outputs"] > 24 * 16
+    (checked_worker,) = checked["workers"]
+    assert_checked_without_divergence(checked_worker, "update_from_output")
+    assert checked_worker["stats"]["update_from_output"]["fast_outputs"] > 24 * 16
+    assert checked["reproducers"] == []
 
 
 def planted_output_bug(kernel):

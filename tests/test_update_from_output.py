@@ -32,6 +32,7 @@ leaks; the plugin, by the piece's name and by its deprecated 0.1 name
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -138,27 +139,39 @@ def test_lockstep_with_the_pure_python_twin(monkeypatch, workload):
     assert idle(_kernels.stats())  # no compiled piece ran
 
 
+def watching_takes(monkeypatch, implementation, watch):
+    """``implementation``'s call in fastbatch's place, ``watch(scheduler,
+    scheduler_output, model_runner_output, more, outputs)`` seeing each call:
+    ``more`` its arguments after ``variant``, ``outputs`` those of the
+    requests it took."""
+
+    def take(scheduler, scheduler_output, model_runner_output, kinds, variant, *more):
+        result = implementation.take_decode_outputs(scheduler, scheduler_output,
+                                                    model_runner_output, kinds, variant, *more)
+        outputs = [slot for slot in (result[0] if result is not None else ())
+                   if type(slot) is not str]
+        watch(scheduler, scheduler_output, model_runner_output, more, outputs)
+        return result
+
+    monkeypatch.setattr(fastbatch, "take_decode_outputs", take)
+    monkeypatch.setattr(fastbatch, "merge_decode_outputs", implementation.merge_decode_outputs)
+
+
 def counting_logprob_takes(monkeypatch, implementation):
     """``implementation``'s call, recording for each request with sample
     logprobs it took: (its logprobs, whether its output has new_logprobs,
     whether the runner's were found through cu_num_generated_tokens)."""
     taken = []
 
-    def take(scheduler, scheduler_output, model_runner_output, kinds, variant, drafts=False):
-        result = implementation.take_decode_outputs(scheduler, scheduler_output,
-                                                    model_runner_output, kinds, variant, drafts)
+    def watch(scheduler, scheduler_output, model_runner_output, more, outputs):
         runner = model_runner_output.logprobs
-        for slot in result[0] if result is not None else ():
-            if type(slot) is str:
-                continue
-            value = scheduler.requests[slot.request_id].sampling_params.logprobs
+        for output in outputs:
+            value = scheduler.requests[output.request_id].sampling_params.logprobs
             if value is not None:
-                taken.append((value, slot.new_logprobs is not None,
+                taken.append((value, output.new_logprobs is not None,
                               runner is not None and runner.cu_num_generated_tokens is not None))
-        return result
 
-    monkeypatch.setattr(fastbatch, "take_decode_outputs", take)
-    monkeypatch.setattr(fastbatch, "merge_decode_outputs", implementation.merge_decode_outputs)
+    watching_takes(monkeypatch, implementation, watch)
     return taken
 
 
@@ -204,24 +217,77 @@ def test_lockstep_with_logprobs_and_every_scheduler_piece(monkeypatch):
     assert_took_logprob_requests(workload, taken)
 
 
+def counting_grammar_takes(monkeypatch, implementation):
+    """``implementation``'s call, counting the requests with a grammar it
+    took, and those it gave back to vLLM's loop because the grammar refused
+    their token."""
+    counts = {"taken": 0, "refused": 0}
+
+    def watch(scheduler, scheduler_output, model_runner_output, more, outputs):
+        counts["refused"] += len(more[2]) if len(more) > 2 else 0
+        counts["taken"] += sum(scheduler.requests[output.request_id].structured_output_request
+                               is not None for output in outputs)
+
+    watching_takes(monkeypatch, implementation, watch)
+    return counts
+
+
+@pytest.mark.parametrize("workload", lockstep.GRAMMAR_WORKLOADS, ids=lambda w: w.name)
+def test_lockstep_with_grammars(monkeypatch, workload):
+    """Requests with a grammar (vLLM's own ``StructuredOutputManager`` over a
+    stand-in grammar that refuses a token or none) among plain ones: the
+    compiled call takes them and has the grammar accept their tokens, and
+    gives back to vLLM's loop, unchanged, those whose token is refused
+    (vLLM stops them with an error); the grammars' tokens are compared with
+    the rest of each request."""
+    counts = counting_grammar_takes(monkeypatch, _kernels)
+    _reference.reset_stats()
+    refusals = []
+    handler = logging.Handler()
+    handler.emit = lambda record: refusals.append(record.getMessage())
+    scheduler_logger = logging.getLogger(patch.MODULE)  # vLLM's: it does not propagate
+    scheduler_logger.addHandler(handler)
+    try:
+        lockstep.Lockstep(workload, seed=23, make_fast=make_fast).run(150)
+    finally:
+        scheduler_logger.removeHandler(handler)
+    assert counts["taken"] > 0 and counts["refused"] > 0, counts
+    # vLLM logs each refusal once on each side (a second ask would log again).
+    logged = collections.Counter(line for line in refusals if "grammar rejected" in line)
+    assert len(logged) >= counts["refused"] and set(logged.values()) == {2}, logged
+    assert idle(_reference.stats())  # the twin never ran
+
+
+@pytest.mark.parametrize("workload", lockstep.GRAMMAR_WORKLOADS[1:3], ids=lambda w: w.name)
+def test_lockstep_with_grammars_and_the_pure_python_twin(monkeypatch, workload):
+    counts = counting_grammar_takes(monkeypatch, _reference)
+    _kernels.reset_stats()
+    lockstep.Lockstep(workload, seed=29, make_fast=make_fast).run(100)
+    assert counts["taken"] > 0 and counts["refused"] > 0, counts
+    assert idle(_kernels.stats())  # no compiled piece ran
+
+
+def test_lockstep_with_grammars_and_every_scheduler_piece(monkeypatch):
+    counts = counting_grammar_takes(monkeypatch, _kernels)
+    lockstep.Lockstep(lockstep.GRAMMAR_WORKLOADS[1], seed=31,
+                      make_fast=make_fast_with_every_scheduler_piece).run(100)
+    assert counts["taken"] > 0 and counts["refused"] > 0, counts
+
+
 def counting_draft_takes(monkeypatch, implementation):
     """``implementation``'s call, counting the requests with scheduled drafts
     it took: all, and those with drafts rejected."""
     counts = {"with_drafts": 0, "rejected": 0}
 
-    def take(scheduler, scheduler_output, model_runner_output, kinds, variant, drafts=False):
-        result = implementation.take_decode_outputs(scheduler, scheduler_output,
-                                                    model_runner_output, kinds, variant, drafts)
+    def watch(scheduler, scheduler_output, model_runner_output, more, outputs):
         scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
-        for slot in result[0] if result is not None else ():
-            if type(slot) is not str and scheduled_drafts.get(slot.request_id):
+        for output in outputs:
+            if scheduled_drafts.get(output.request_id):
                 counts["with_drafts"] += 1
-                accepted = len(slot.new_token_ids) - 1
-                counts["rejected"] += accepted < len(scheduled_drafts[slot.request_id])
-        return result
+                accepted = len(output.new_token_ids) - 1
+                counts["rejected"] += accepted < len(scheduled_drafts[output.request_id])
 
-    monkeypatch.setattr(fastbatch, "take_decode_outputs", take)
-    monkeypatch.setattr(fastbatch, "merge_decode_outputs", implementation.merge_decode_outputs)
+    watching_takes(monkeypatch, implementation, watch)
     return counts
 
 
@@ -559,8 +625,8 @@ def _wrong_logprobs(how):
     """The compiled call, with each sample-logprobs slice it made wrong."""
     real = _kernels.take_decode_outputs
 
-    def wrong(scheduler, scheduler_output, model_runner_output, kinds, variant, drafts=False):
-        taken = real(scheduler, scheduler_output, model_runner_output, kinds, variant, drafts)
+    def wrong(scheduler, scheduler_output, model_runner_output, kinds, variant, *more):
+        taken = real(scheduler, scheduler_output, model_runner_output, kinds, variant, *more)
         for slot in taken[0] if taken is not None else ():
             if type(slot) is not str and slot.new_logprobs is not None:
                 ids, values, ranks, _ = slot.new_logprobs
@@ -663,6 +729,10 @@ def test_bad_input_changes_nothing(implementation):
     with pytest.raises(ValueError, match="variant must be 0, 1 or 2"):
         implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
                                            patch._KINDS, 7)
+    for accept, refused in ((lambda request, tokens: True, None), ("accept", [])):
+        with pytest.raises(TypeError, match="accept must be callable and come with a refused"):
+            implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
+                                               patch._KINDS, 0, False, accept, refused)
     assert _plain(None, scheduler) == before
     # A count that is not a positive int, a token that is not an int: vLLM's loop.
     scheduler_output.num_scheduled_tokens = {"r0": 1.0}
@@ -680,6 +750,14 @@ def test_bad_input_changes_nothing(implementation):
     assert _plain(None, scheduler) == before
 
 
+def _undo_decode(request):
+    """The request as before a decode step that took it (one token in flight)."""
+    del request._output_token_ids[-1]
+    del request._all_token_ids[-1]
+    request.num_in_flight_tokens = 1
+    request.num_output_placeholders = 1
+
+
 @pytest.mark.parametrize("runner_logprobs", ["none", "cu"])
 def test_no_leaks(runner_logprobs):
     patch._bind()
@@ -693,10 +771,7 @@ def test_no_leaks(runner_logprobs):
                                               patch._KINDS, 0)
         assert result is not None
         for request in requests:  # undo the step, so that every call takes all
-            del request._output_token_ids[-1]
-            del request._all_token_ids[-1]
-            request.num_in_flight_tokens = 1
-            request.num_output_placeholders = 1
+            _undo_decode(request)
 
     for _ in range(100):
         step()
@@ -704,6 +779,33 @@ def test_no_leaks(runner_logprobs):
         array.base if array.base is not None else array for array in runner_output.logprobs[:3]]
     assert_no_leak(step, [scheduler, scheduler_output, runner_output, *requests,
                           patch._KINDS, *arrays], 2000)
+
+
+def test_no_leaks_with_grammars():
+    """Requests with a grammar: r0 taken, r1 left (its token fills a block),
+    r2 refused (put back, and the requests left rebuilt in order)."""
+    patch._bind()
+    specs = [(3, 7, 1, 1, RequestStatus.RUNNING, 10**6)] * 3
+    scheduler, scheduler_output, runner_output = _state(AsyncScheduler, False, specs, False)
+    requests = list(scheduler.requests.values())
+    grammar = SimpleNamespace()
+    for request in requests:
+        request.structured_output_request = grammar
+
+    def accept(request, tokens):
+        return request is not requests[2]
+
+    def step():
+        refused = []
+        result = _kernels.take_decode_outputs(scheduler, scheduler_output, runner_output,
+                                              patch._KINDS, 0, False, accept, refused)
+        assert result is not None and refused == ["r2"] and list(result[1]) == ["r1", "r2"]
+        _undo_decode(requests[0])  # the one taken
+
+    for _ in range(100):
+        step()
+    assert_no_leak(step, [scheduler, scheduler_output, runner_output, *requests,
+                          patch._KINDS, grammar], 2000)
 
 
 def test_guard_accepts_this_vllm_and_refuses_a_changed_method():
@@ -796,8 +898,8 @@ def plant(monkeypatch, after_calls, where):
     real = _kernels.take_decode_outputs
     calls, fired = [0], []
 
-    def buggy(scheduler, scheduler_output, model_runner_output, kinds, variant, drafts=False):
-        taken = real(scheduler, scheduler_output, model_runner_output, kinds, variant, drafts)
+    def buggy(scheduler, scheduler_output, model_runner_output, kinds, variant, *more):
+        taken = real(scheduler, scheduler_output, model_runner_output, kinds, variant, *more)
         calls[0] += 1
         if taken is not None and calls[0] > after_calls:
             for slot in taken[0]:
@@ -888,6 +990,50 @@ def test_verify_restores_the_order_of_a_wrong_merge(verified, monkeypatch):
     harness = verified_lockstep(lockstep.WORKLOADS[2], seed=3)
     harness.run(30)
     assert patch.PATCH.divergences == 1
+
+
+@pytest.mark.parametrize("workload", lockstep.GRAMMAR_WORKLOADS[:3], ids=lambda w: w.name)
+def test_verify_no_false_divergence_with_grammars(verified, monkeypatch, workload):
+    """The shadow's vLLM method gets the grammars' answers as they were given
+    to the compiled call (asked again, a grammar would advance twice)."""
+    harness = verified_lockstep(workload, seed=23)
+    counts = counting_grammar_takes(monkeypatch, _kernels)
+    harness.run(100)
+    assert patch.PATCH.checked > 0
+    assert patch.PATCH.divergences == 0 and patch.PATCH.reproducers == []
+    assert counts["taken"] > 0 and counts["refused"] > 0, counts
+    assert not list(verified.iterdir())
+
+
+def _grammar_planted(how):
+    """The compiled call with its grammar calls wrong: "skipped" (a grammar is
+    never asked) or "ignored" (a refusal is taken as an acceptance)."""
+    real = _kernels.take_decode_outputs
+
+    def wrong(scheduler, scheduler_output, model_runner_output, kinds, variant, drafts=False,
+              accept=None, refused=None):
+        if accept is not None:
+            asked = accept
+            accept = ((lambda request, tokens: True) if how == "skipped"
+                      else (lambda request, tokens: asked(request, tokens) or True))
+        return real(scheduler, scheduler_output, model_runner_output, kinds, variant, drafts,
+                    accept, refused)
+
+    return wrong
+
+
+@pytest.mark.parametrize("how", ["skipped", "ignored"])
+def test_verify_catches_wrong_grammar_calls_and_leaves_stock_state(verified, monkeypatch, how):
+    """A grammar not asked, or a refusal ignored: the shadow sees the
+    difference, and vLLM's method takes the step with each grammar asked
+    once (the lockstep compares every grammar's tokens with stock's)."""
+    monkeypatch.setattr(fastbatch, "take_decode_outputs", _grammar_planted(how))
+    harness = verified_lockstep(lockstep.GRAMMAR_WORKLOADS[1], seed=23)
+    harness.run(100)
+    assert patch.PATCH.divergences == 1 and len(patch.PATCH.reproducers) == 1
+    assert vllm_plugin.replay(patch.PATCH.reproducers[0]) is not None
+    monkeypatch.setattr(fastbatch, "take_decode_outputs", _kernels.take_decode_outputs)
+    assert vllm_plugin.replay(patch.PATCH.reproducers[0]) is None
 
 
 def test_verify_sampled_checks_some_calls(monkeypatch, tmp_path):

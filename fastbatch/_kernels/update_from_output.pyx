@@ -10,9 +10,11 @@ taken, exactly what vLLM's loop would (in-flight count, the rejected drafts
 taken back from the computed and placeholder counts, the tokens appended
 to both token lists, the placeholders resolved) and builds their
 ``EngineCoreOutput`` (with its sample logprobs: the row of the step's
-``LogprobsLists``, sliced as ``LogprobsLists.slice_request`` does).
-Nothing is changed unless the whole step has been read and found
-consistent.
+``LogprobsLists``, sliced as ``LogprobsLists.slice_request`` does), and
+for a request with a grammar, the tokens handed to vLLM's ``accept_tokens``
+as its loop does (a request whose tokens the grammar refuses is put back as
+it was and left to vLLM's loop).  Nothing is changed unless the whole step
+has been read and found consistent.
 """
 
 __all__ = ["merge_decode_outputs", "take_decode_outputs"]
@@ -88,6 +90,7 @@ cdef struct Taken:
     Py_ssize_t computed        # num_computed_tokens after, or -1: unchanged
     Py_ssize_t logprobs_start  # the first row of its sample logprobs (if it has some)
     bint has_logprobs          # it gets a slice of the step's LogprobsLists
+    bint has_grammar           # its tokens go to the grammar (``accept``)
 
 
 cdef inline bint _int_value(object value, Py_ssize_t* out) except -1:
@@ -299,9 +302,11 @@ cdef int _classify(dict attrs, object tokens, object drafts, Py_ssize_t num_sche
 
 
 def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple kinds,
-                        int variant, bint drafts=False):
+                        int variant, bint drafts=False, accept=None, list refused=None):
     """Take the plain decodes of one ``update_from_output`` call (see the twin);
-    with ``drafts``, also those with scheduled drafts.
+    with ``drafts``, also those with scheduled drafts; with ``accept`` (vLLM's
+    ``StructuredOutputManager.accept_tokens``), also those with a grammar and
+    no drafts (the id of each whose tokens it refuses goes to ``refused``).
 
     Returns ``None`` (nothing taken, nothing changed) or ``(slots, rest)``:
     ``slots`` has, in scheduling order, the ``EngineCoreOutput`` of each
@@ -309,6 +314,8 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
     ids left to their scheduled token counts, for vLLM's own loop.
     """
     global _taken, _left
+    if accept is not None and (not callable(accept) or refused is None):
+        raise TypeError("accept must be callable and come with a refused list")
     if len(kinds) != 10:
         raise ValueError(f"kinds must have 10 items, got {len(kinds)}")
     output_type, template, logprobs_type, array_type = kinds[6], kinds[7], kinds[8], kinds[9]
@@ -367,6 +374,9 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
         raise MemoryError()
     cdef list slots = [None] * num_requests
     cdef list taken_requests = []
+    cdef list grammar_ids = []  # the ids of the requests taken with a grammar
+    cdef Py_ssize_t num_refused = 0, num_grammars = 0
+    cdef bint has_grammar
     cdef dict rest = {}
     cdef Py_ssize_t pos = 0
     cdef PyObject* key
@@ -384,15 +394,17 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
             request = (<dict>requests).get(req_id)
             if request is not None and request.client_index != 0:
                 return None  # outputs of several front-ends: vLLM's loop orders them
-            if (type(request) is kinds[0]
-                    and request.structured_output_request is not None):
-                # A grammar to advance (accept_tokens): vLLM's loop, told
-                # before anything else of the request is read.
+            request_drafts = (<dict>spec_tokens).get(req_id) or None
+            has_grammar = (type(request) is kinds[0]
+                           and request.structured_output_request is not None)
+            if has_grammar and (accept is None or request_drafts is not None):
+                # A grammar to advance, and no accept_tokens to advance it
+                # with (or drafts): vLLM's loop, told before anything else of
+                # the request is read.
                 slots[i] = req_id
                 rest[req_id] = num_obj
                 i += 1
                 continue
-            request_drafts = (<dict>spec_tokens).get(req_id) or None
             if (request is None or not _int_value(num_obj, &num_scheduled)
                     or num_scheduled <= 0
                     or (request_drafts is not None and not drafts)
@@ -415,8 +427,11 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
                 if _classify(attrs, tokens, request_drafts, num_scheduled, kinds, variant,
                              max_model_len, num_spec_tokens, cache, row, logprobs_mode,
                              cu_rows, &taken[count]):
+                    taken[count].has_grammar = has_grammar
+                    if has_grammar:
+                        grammar_ids.append(req_id)
                     slots[i] = tokens  # the request's sampled list, for pass 2
-                    taken_requests.append(attrs)
+                    taken_requests.append(request)
                     count += 1
                     i += 1
                     continue
@@ -433,7 +448,11 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
             tokens = slots[i]
             if type(tokens) is not list:
                 continue
-            attrs = <dict>taken_requests[count]
+            request = taken_requests[count]
+            attrs = request.__dict__
+            if taken[count].has_grammar:
+                undo = (attrs["num_in_flight_tokens"], attrs["num_computed_tokens"],
+                        attrs["num_output_placeholders"])
             attrs["num_in_flight_tokens"] = taken[count].in_flight
             output_ids, all_ids = attrs["_output_token_ids"], attrs["_all_token_ids"]
             for token in <list>tokens:
@@ -443,6 +462,21 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
                 attrs["num_computed_tokens"] = taken[count].computed
             if taken[count].placeholders >= 0:
                 attrs["num_output_placeholders"] = taken[count].placeholders
+            if taken[count].has_grammar:
+                num_grammars += 1
+                if not accept(request, tokens):
+                    # vLLM's loop stops it with an error: it gets the request
+                    # as it was (the caller has it see the same answer).
+                    (attrs["num_in_flight_tokens"], attrs["num_computed_tokens"],
+                     attrs["num_output_placeholders"]) = undo
+                    del (<list>output_ids)[-len(<list>tokens):]
+                    del (<list>all_ids)[-len(<list>tokens):]
+                    req_id = grammar_ids[num_grammars - 1]
+                    slots[i] = req_id
+                    refused.append(req_id)
+                    num_refused += 1
+                    count += 1
+                    continue
             events = attrs.get("events")
             if events:
                 attrs["events"] = []
@@ -465,7 +499,11 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
                 args[at_logprobs] = None
             slots[i] = output_type(*args)
             count += 1
-        _taken += count
+        if num_refused:
+            # vLLM's loop takes the requests left in scheduling order.
+            rest = {req_id: (<dict>scheduled)[req_id] for req_id in slots
+                    if type(req_id) is str}
+        _taken += count - num_refused
         _left += len(rest)
         return slots, rest
     finally:

@@ -13,8 +13,11 @@ A request is taken only if all of these hold (read off vLLM 0.33.0 and
   request is of another front-end, nothing is taken: vLLM orders the
   outputs of several front-ends by first appearance);
 - it has no stale output share, no encoder inputs, no pooling, no
-  structured output, no ``logprob_token_ids``, no prefill stats to report,
-  no NaN count and no prompt logprobs in this output;
+  ``logprob_token_ids``, no prefill stats to report, no NaN count and no
+  prompt logprobs in this output;
+- it has no grammar (``structured_output_request``), or ``accept`` is given
+  (vLLM's ``StructuredOutputManager.accept_tokens``) and it has no drafts
+  scheduled;
 - it has no drafts scheduled, or ``drafts`` is set (the caller sets it when
   the scheduler keeps no statistics and samples one token per step) and
   the request keeps no spec-decode metrics of its own;
@@ -47,7 +50,14 @@ always, so there must be enough; 2, vLLM 0.32's sync ``Scheduler``, never);
 its events taken; an ``EngineCoreOutput`` with the
 sampled list itself as ``new_token_ids`` and, for a request with sample
 logprobs, ``new_logprobs`` as vLLM's loop makes it:
-``logprobs.slice_request(row, 1)`` (views of the step's arrays).
+``logprobs.slice_request(row, 1)`` (views of the step's arrays).  For a
+request with a grammar, ``accept(request, tokens)`` right after its tokens
+are appended and its counts set (vLLM's loop calls ``accept_tokens`` after
+``_update_request_with_output``); if the answer is false (vLLM's loop then
+stops the request with an error), the request is put back as it was, its id
+goes to ``refused`` and vLLM's loop takes it: the caller must have it see
+the same answer without asking the grammar again.  An exception from
+``accept`` propagates; the requests before it in pass 2 are already updated.
 
 ``kinds`` is ``(Request, RequestStatus.RUNNING, KVCacheManager,
 (coordinator types...), FullAttentionManager, request_block_hasher's code,
@@ -241,16 +251,22 @@ def _classify(request: Any, tokens: Any, drafts: Any, num_scheduled: int,
 
 
 def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_output: Any,
-                        kinds: tuple[Any, ...], variant: int,
-                        drafts: bool = False) -> tuple[list, dict] | None:
+                        kinds: tuple[Any, ...], variant: int, drafts: bool = False,
+                        accept: Any = None,
+                        refused: list[str] | None = None) -> tuple[list, dict] | None:
     """Take the plain decodes of one ``update_from_output`` call; with
-    ``drafts``, also those with scheduled drafts (spec decoding).
+    ``drafts``, also those with scheduled drafts (spec decoding); with
+    ``accept`` (vLLM's ``StructuredOutputManager.accept_tokens``), also those
+    with a grammar and no drafts (the id of each whose tokens it refuses goes
+    to ``refused``).
 
     Returns ``None`` (nothing taken, nothing changed) or ``(slots, rest)``:
     ``slots`` has, in scheduling order, the ``EngineCoreOutput`` of each
     request taken and the request id of each request left; ``rest`` maps the
     ids left to their scheduled token counts, for vLLM's own loop.
     """
+    if accept is not None and (not callable(accept) or type(refused) is not list):
+        raise TypeError("accept must be callable and come with a refused list")
     if not isinstance(kinds, tuple):
         raise TypeError(f"kinds must be a tuple, got {type(kinds).__name__}")
     if len(kinds) != 10:
@@ -293,18 +309,20 @@ def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_outp
     logprobs_mode = _logprobs_mode(logprobs, kinds)
     slots: list[Any] = []
     rest: dict[Any, Any] = {}
-    taken: list[tuple[Any, int, tuple[int, int, int, bool]]] = []
+    taken: list[tuple[str, Any, int, tuple[int, int, int, bool], bool]] = []
     for req_id, num_scheduled in scheduled.items():
         if type(req_id) is not str:
             return None  # the slots tell ids (str) from outputs by type
         request = requests.get(req_id)
         if request is not None and request.client_index != 0:
             return None
-        if type(request) is kinds[0] and request.structured_output_request is not None:
-            slots.append(req_id)  # a grammar to advance (accept_tokens): vLLM's loop
+        request_drafts = spec_tokens.get(req_id) or None
+        has_grammar = (type(request) is kinds[0]
+                       and request.structured_output_request is not None)
+        if has_grammar and (accept is None or request_drafts is not None):
+            slots.append(req_id)  # a grammar to advance, not here: vLLM's loop
             rest[req_id] = num_scheduled
             continue
-        request_drafts = spec_tokens.get(req_id) or None
         if (request is None or not _is_int(num_scheduled) or num_scheduled <= 0
                 or (request_drafts is not None and not drafts)
                 or (nans is not None and req_id in nans)
@@ -322,17 +340,20 @@ def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_outp
             rest[req_id] = num_scheduled
         else:
             slots.append(tokens)
-            taken.append((request, row, effects))
+            taken.append((req_id, request, row, effects, has_grammar))
     if not taken:
         return None
     args = list(template[0])
     at_id, at_tokens, at_stop, at_events, at_trace, at_nans, at_logprobs = template[1:]
     pending = iter(taken)
+    num_refused = 0
     for index, tokens in enumerate(slots):
         if type(tokens) is not list:
             continue
-        request, row, effects = next(pending)
+        req_id, request, row, effects, has_grammar = next(pending)
         in_flight_after, placeholders_after, computed_after, with_logprobs = effects
+        before = (request.num_in_flight_tokens, request.num_computed_tokens,
+                  request.num_output_placeholders)
         request.num_in_flight_tokens = in_flight_after
         request._output_token_ids.extend(tokens)
         request._all_token_ids.extend(tokens)
@@ -340,6 +361,16 @@ def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_outp
             request.num_computed_tokens = computed_after
         if placeholders_after >= 0:
             request.num_output_placeholders = placeholders_after
+        if has_grammar and not accept(request, tokens):
+            # vLLM's loop stops it with an error: the request as it was, to vLLM.
+            (request.num_in_flight_tokens, request.num_computed_tokens,
+             request.num_output_placeholders) = before
+            del request._output_token_ids[-len(tokens):]
+            del request._all_token_ids[-len(tokens):]
+            slots[index] = req_id
+            refused.append(req_id)
+            num_refused += 1
+            continue
         events = request.events
         if events:
             request.events = []
@@ -354,7 +385,10 @@ def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_outp
         # As vLLM's loop: the request's slice of the step's LogprobsLists.
         args[at_logprobs] = logprobs.slice_request(row, len(tokens)) if with_logprobs else None
         slots[index] = output_type(*args)
-    _COUNTERS.values["fast_outputs"] += len(taken)
+    if num_refused:
+        # vLLM's loop takes the requests left in scheduling order.
+        rest = {req_id: scheduled[req_id] for req_id in slots if type(req_id) is str}
+    _COUNTERS.values["fast_outputs"] += len(taken) - num_refused
     _COUNTERS.values["stock_outputs"] += len(rest)
     return slots, rest
 

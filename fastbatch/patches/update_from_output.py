@@ -7,7 +7,14 @@ call (``fastbatch.take_decode_outputs``) reads every scheduled request, and
 if the step is consistent does to each plain decode exactly what vLLM's loop
 would (the in-flight count, the token appended, the placeholder resolved,
 its events taken, its ``EngineCoreOutput`` with, for a request with sample
-logprobs, its slice of the step's ``LogprobsLists``).  vLLM's own method then runs on
+logprobs, its slice of the step's ``LogprobsLists``).  A request with a
+grammar (structured output, no drafts) is taken when the scheduler's manager
+is vLLM's ``StructuredOutputManager``: the compiled call hands its tokens to
+that manager's own ``accept_tokens`` right after appending them, where vLLM's
+loop does; if the grammar refuses them, the request is put back as it was
+and left to vLLM's loop, whose ``accept_tokens`` is answered False again
+without asking the grammar (``_Answered``: a grammar is advanced once a
+step), so vLLM stops it with its error as it would have.  vLLM's own method then runs on
 a copy of the ``SchedulerOutput`` that lists only the other requests, and
 the outputs are merged back in scheduling order (``merge_decode_outputs``).
 A step with a KV or EC connector, pooling, grammar errors, an aux-output
@@ -48,7 +55,9 @@ side by side on stand-ins of both scheduler classes (built without
 real KV-cache managers (prefix caching on and off, sync and async, block
 boundaries, stops by length, stop token, EOS and after ``min_tokens``,
 requests with sample logprobs, with and without ``cu_num_generated_tokens``
-and without logprobs in the runner output).
+and without logprobs in the runner output, two requests with a grammar
+advanced by vLLM's own ``accept_tokens``, one of them refused; vLLM's error
+log of that planted refusal is filtered out).
 
 Shadow check (``FASTBATCH_VERIFY``): the snapshot keeps every scheduled
 request's attribute dict and a copy of it (token lists, block hashes,
@@ -59,11 +68,15 @@ requests taken, over a copy of the KV-cache manager whose block pool only
 records calls; compared per request taken: every attribute, queue and
 registration, its ``EngineCoreOutput`` (``new_logprobs`` arrays by dtype,
 shape, strides and bytes), its KV-cache entries and the block pool calls
-(none allowed); also that the requests left were untouched and,
-after the call, that the outputs are merged in scheduling order.  On a
-difference the compiled call's writes are undone in the same objects and
-vLLM's method runs on the whole step (the state after the call is stock's);
-a wrong merge only has its output list put back in order.
+(none allowed), and the calls of ``accept_tokens`` (request and tokens; the
+stand-in's grammars answer as the live ones answered the compiled call,
+which the shadow records: a grammar is never asked twice); also that the
+requests left were untouched and, after the call, that the outputs are
+merged in scheduling order.  On a difference the compiled call's writes are
+undone in the same objects and vLLM's method runs on the whole step, the
+grammars already asked answering as they did (the state after the call is
+stock's, but for a grammar asked with tokens vLLM's loop would not have
+given it); a wrong merge only has its output list put back in order.
 """
 
 from __future__ import annotations
@@ -169,6 +182,7 @@ _STOCK: Any = None
 _SCHEDULERS: tuple[Any, Any] | None = None  # (Scheduler, AsyncScheduler)
 _PLACEHOLDERS_IN_BASE = True  # vLLM 0.33's rule (else 0.32's)
 _ENGINE_CORE_OUTPUTS: Any = None
+_GRAMMARS: Any = None  # StructuredOutputManager
 # FASTBATCH_VERIFY: the snapshot of the call about to run (see the shadow below).
 _PENDING: dict[str, Any] | None = None
 
@@ -193,7 +207,7 @@ def _output_template(output_type: Any) -> tuple[Any, ...]:
 
 
 def _bind() -> None:
-    global _KINDS, _STOCK, _SCHEDULERS, _PLACEHOLDERS_IN_BASE, _ENGINE_CORE_OUTPUTS
+    global _KINDS, _STOCK, _SCHEDULERS, _PLACEHOLDERS_IN_BASE, _ENGINE_CORE_OUTPUTS, _GRAMMARS
     import numpy
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_coordinator import (
@@ -208,6 +222,7 @@ def _bind() -> None:
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
     from vllm.v1.outputs import LogprobsLists
     from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.structured_output import StructuredOutputManager
 
     from fastbatch._fingerprint import fingerprint
 
@@ -215,6 +230,7 @@ def _bind() -> None:
     _SCHEDULERS = (Scheduler, AsyncScheduler)
     _PLACEHOLDERS_IN_BASE = fingerprint(Scheduler._update_request_with_output) == _BASE_033
     _ENGINE_CORE_OUTPUTS = EngineCoreOutputs
+    _GRAMMARS = StructuredOutputManager
     _KINDS = (Request, RequestStatus.RUNNING, KVCacheManager,
               (UnitaryKVCacheCoordinator, KVCacheCoordinatorNoPrefixCache),
               FullAttentionManager, get_request_block_hasher(16, sha256).__code__,
@@ -354,6 +370,54 @@ def _fast_variant(scheduler: Any, scheduler_output: Any, model_runner_output: An
     return variant
 
 
+class _Answered:
+    """vLLM's structured-output manager, except that a request whose grammar
+    has already answered this step (in the compiled call) gets that answer
+    again without asking the grammar: a grammar is advanced once a step.
+    vLLM's loop stops a request refused, as it would have on that answer."""
+
+    def __init__(self, manager: Any, answers: dict[str, bool]) -> None:
+        self._manager, self._answers = manager, answers
+
+    def accept_tokens(self, request: Any, new_token_ids: list[int]) -> bool:
+        answer = self._answers.get(request.request_id)
+        if answer is None:
+            return self._manager.accept_tokens(request, new_token_ids)
+        return answer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+
+def _stock_answered(scheduler: Any, scheduler_output: Any, model_runner_output: Any,
+                    answers: dict[str, bool]) -> Any:
+    """vLLM's method, its grammars answering as in ``answers`` where given."""
+    if not answers:
+        return _STOCK(scheduler, scheduler_output, model_runner_output)
+    grammars = scheduler.structured_output_manager
+    scheduler.structured_output_manager = _Answered(grammars, answers)
+    try:
+        return _STOCK(scheduler, scheduler_output, model_runner_output)
+    finally:
+        scheduler.structured_output_manager = grammars
+
+
+def _answers(check: dict[str, Any]) -> dict[str, bool]:
+    """What the grammars answered the compiled call (FASTBATCH_VERIFY records it)."""
+    return {rid: answer for rid, _, answer in check.get("accepted", ())}
+
+
+def _recording(accept: Any, calls: list[tuple[str, list[int], bool]]) -> Any:
+    """``accept`` that also records each call and its answer (FASTBATCH_VERIFY)."""
+
+    def accept_tokens(request: Any, new_token_ids: list[int]) -> Any:
+        answer = accept(request, new_token_ids)
+        calls.append((request.request_id, list(new_token_ids), bool(answer)))
+        return answer
+
+    return accept_tokens
+
+
 def update_from_output(self: Any, scheduler_output: Any,
                        model_runner_output: Any) -> dict[int, Any]:
     """fastbatch's drop-in for ``Scheduler.update_from_output`` (same signature)."""
@@ -363,8 +427,14 @@ def update_from_output(self: Any, scheduler_output: Any,
     variant = _fast_variant(self, scheduler_output, model_runner_output, drafts)
     if variant is None:
         return _STOCK(self, scheduler_output, model_runner_output)
+    # Requests with a grammar are taken when it is advanced by vLLM's own manager.
+    grammars = self.structured_output_manager
+    accept = grammars.accept_tokens if type(grammars) is _GRAMMARS else None
+    if check is not None and accept is not None:
+        accept = _recording(accept, check.setdefault("accepted", []))
+    refused: list[str] = []
     taken = fastbatch.take_decode_outputs(self, scheduler_output, model_runner_output,
-                                          _KINDS, variant, drafts)
+                                          _KINDS, variant, drafts, accept, refused)
     if taken is None:
         return _STOCK(self, scheduler_output, model_runner_output)
     slots, rest = taken
@@ -372,10 +442,11 @@ def update_from_output(self: Any, scheduler_output: Any,
             and not _check_taken(check, slots, rest)):
         _undo_take(check)  # vLLM's method then runs on the untouched step
         check["undone"] = True
-        return _STOCK(self, scheduler_output, model_runner_output)
+        return _stock_answered(self, scheduler_output, model_runner_output, _answers(check))
     remaining = copy.copy(scheduler_output)
     remaining.num_scheduled_tokens = rest
-    stock_part = _STOCK(self, remaining, model_runner_output)
+    stock_part = _stock_answered(self, remaining, model_runner_output,
+                                 dict.fromkeys(refused, False))
     if check is not None:
         own = stock_part.get(0)
         check["rest_outputs"] = list(own.outputs) if own is not None else []
@@ -773,6 +844,24 @@ def _run(function: Any, inputs: dict[str, Any]) -> Any:
     runner = copy.copy(inputs["runner"])
     runner.sampled_token_ids = [list(row) if type(row) is list else row
                                 for row in runner.sampled_token_ids]
+    # The grammars of the requests taken answer as they answered the compiled
+    # call (asked again, they would advance twice); the calls are recorded.
+    # On replay, fastbatch's method hands the same answers to the compiled call.
+    answers, grammar_calls = inputs.get("answers", {}), []
+
+    def accept_tokens(request: Any, new_token_ids: list[int]) -> bool:
+        if request.structured_output_request is None or not new_token_ids:
+            return True  # vLLM's early return
+        grammar_calls.append((request.request_id, list(new_token_ids)))
+        return answers.get(request.request_id, True)
+
+    if _GRAMMARS is None:
+        _bind()
+    # vLLM's manager type (fastbatch's method hands it to the compiled call),
+    # its accept_tokens this probe.
+    probe = object.__new__(_GRAMMARS)
+    probe.accept_tokens = accept_tokens
+    scheduler.structured_output_manager = probe
     counted: list[tuple[str, int, int]] = []
     if function is _STOCK:  # what vLLM's loop hands make_spec_decoding_stats (log_stats off)
 
@@ -787,6 +876,7 @@ def _run(function: Any, inputs: dict[str, Any]) -> Any:
         return {"raised": f"{type(exc).__name__}: {exc}"}
     outcome = _outcome_of(scheduler, taken, {request.request_id: request for request in requests},
                           results, _kv_calls(scheduler.kv_cache_manager))
+    outcome["grammar"] = grammar_calls
     if function is _STOCK:
         outcome["drafts_counted"] = counted
     return outcome
@@ -807,6 +897,11 @@ def _check_taken(check: dict[str, Any], slots: list[Any], rest: dict[str, Any]) 
                              if rid not in ours["requests"]
                              and _request_state(request) != _request_state(clone)]
         ours["drafts_counted"] = drafts_counted(scheduler_output, check["live"][2], taken)
+        wanted = set(taken)
+        ours["grammar"] = [(rid, tokens) for rid, tokens, _ in check.get("accepted", ())
+                           if rid in wanted]
+        check["answers"] = {rid: answer for rid, answer in _answers(check).items()
+                            if rid in wanted}
         stock = _run(_STOCK, check)
     except Exception:  # the shadow's own failure: vLLM's method takes the step, unchecked
         logger.exception("fastbatch: FASTBATCH_VERIFY could not check update_from_output; "
@@ -891,7 +986,8 @@ def _restore(inputs: dict[str, Any], stock: Any, result: Any, *args: Any) -> Any
         return result
     scheduler, scheduler_output, model_runner_output = inputs["live"][:3]
     _undo_take(inputs)
-    return _STOCK(scheduler, scheduler_output, model_runner_output)
+    return _stock_answered(scheduler, scheduler_output, model_runner_output,
+                           _answers(inputs))
 
 
 def _for_reproducer(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -899,10 +995,16 @@ def _for_reproducer(inputs: dict[str, Any]) -> dict[str, Any]:
     block hasher as data."""
     kept = {key: value for key, value in inputs.items()
             if key not in ("live", "memo", "ours", "rest_outputs", "slot_outputs",
-                           "requests", "undone")}
+                           "requests", "undone", "accepted")}
     requests = {}
     for rid in inputs.get("taken") or ():
         clone = copy.copy(inputs["requests"][rid])
+        grammar = vars(clone).get("structured_output_request")
+        if dataclasses.is_dataclass(grammar):
+            # The replay's grammars answer as recorded: only the request's
+            # constraint is kept (a compiled grammar need not pickle).
+            clone.structured_output_request = dataclasses.replace(
+                grammar, _grammar=None, reasoner=None)
         hasher = vars(clone).get("_block_hasher")
         if hasher is not None:
             with contextlib.suppress(Exception):  # else as is: it may not pickle
@@ -975,6 +1077,51 @@ def _stand_in_requests() -> list[Any]:
     return requests
 
 
+class _StandInGrammar:
+    """A grammar that accepts every token but ``refuses``, and keeps the
+    tokens it accepted (for the activation check)."""
+
+    def __init__(self, refuses: int | None) -> None:
+        self.refuses, self.accepted = refuses, []
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        if self.refuses in tokens:
+            return False
+        self.accepted.extend(tokens)
+        return True
+
+
+def _with_stand_in_grammars(scheduler: Any) -> None:
+    """Requests r1 and r3 get a grammar (r3's refuses token 20, its fifth),
+    advanced through vLLM's own ``StructuredOutputManager.accept_tokens``."""
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.v1.structured_output.request import StructuredOutputRequest
+
+    manager = object.__new__(StructuredOutputManager)
+    manager.enable_in_reasoning = True  # every token is the grammar's
+    scheduler.structured_output_manager = manager
+    for request_id, refuses in (("r1", None), ("r3", 20)):
+        scheduler.requests[request_id].structured_output_request = StructuredOutputRequest(
+            params=StructuredOutputsParams(regex="[a-z]*"), _grammar=_StandInGrammar(refuses))
+
+
+def _not_a_planted_refusal(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Unexpected: grammar rejected tokens")
+
+
+@contextlib.contextmanager
+def _planted_refusals_unlogged() -> Any:
+    """vLLM's loop logs a refusal as an error: the activation check's own are
+    planted, and not logged."""
+    scheduler_logger = logging.getLogger(MODULE)
+    scheduler_logger.addFilter(_not_a_planted_refusal)
+    try:
+        yield
+    finally:
+        scheduler_logger.removeFilter(_not_a_planted_refusal)
+
+
 def _side_state(scheduler: Any, outputs: Any) -> Any:
     import msgspec
 
@@ -989,7 +1136,9 @@ def _side_state(scheduler: Any, outputs: Any) -> Any:
         list(outputs),
         {rid: (r.status, r.stop_reason, list(r._all_token_ids), list(r._output_token_ids),
                r.num_computed_tokens, r.num_output_placeholders, r.num_in_flight_tokens,
-               list(r.block_hashes))
+               list(r.block_hashes),
+               getattr(getattr(r.structured_output_request, "_grammar", None), "accepted",
+                       None))
          for rid, r in scheduler.requests.items()},
         [r.request_id for r in scheduler.running],
         allocate_slots.kv_manager_state(scheduler.kv_cache_manager),
@@ -1041,6 +1190,8 @@ def activation_check(method: Any, replacement: Any) -> str | None:
         for enable_caching in (True, False):
             sides = [_stand_in_scheduler(cls, enable_caching, _stand_in_requests())
                      for _ in range(2)]
+            for scheduler in sides:
+                _with_stand_in_grammars(scheduler)
             for step in range(24):
                 states = []
                 for scheduler, update in zip(sides, (method, replacement), strict=True):
@@ -1070,8 +1221,9 @@ def activation_check(method: Any, replacement: Any) -> str | None:
                         num_scheduled_tokens=scheduled, scheduled_spec_decode_tokens={},
                         total_num_scheduled_tokens=sum(scheduled.values()),
                         num_invalid_spec_tokens=None)
-                    states.append(_side_state(
-                        scheduler, update(scheduler, scheduler_output, runner_output)))
+                    with _planted_refusals_unlogged():
+                        result = update(scheduler, scheduler_output, runner_output)
+                    states.append(_side_state(scheduler, result))
                 if states and states[0] != states[1]:
                     return (f"{cls.__name__}, caching {enable_caching}, step {step}: "
                             f"fastbatch gave {states[1]}, vLLM {states[0]}")
