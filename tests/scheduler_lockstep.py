@@ -46,6 +46,8 @@ from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
+from fastbatch.patches import update_from_output
+
 EOS_TOKEN_ID = 2
 VOCAB_SIZE = 64  # small, so that stop tokens turn up by chance too
 _ARCHITECTURE = "FastbatchSchedulerOnlyLM"
@@ -313,19 +315,10 @@ class RequestSpec:
     grammar: tuple[int, ...] | None = None  # the tokens its grammar refuses
 
 
-class StandInGrammar:
-    """A request's grammar: accepts every token but those it ``refuses``
-    (vLLM's interface: ``accept_tokens``, ``validate_tokens``,
-    ``is_terminated``), and keeps what it accepted."""
-
-    def __init__(self, refuses: tuple[int, ...]) -> None:
-        self.refuses, self.accepted = refuses, []
-
-    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
-        if any(token in self.refuses for token in tokens):
-            return False
-        self.accepted.extend(tokens)
-        return True
+class StandInGrammar(update_from_output.StandInGrammar):
+    """A request's grammar: the activation check's stand-in (accepts every
+    token but those it ``refuses``, keeps what it accepted) with the rest of
+    the interface vLLM's scheduler uses under spec decoding."""
 
     def validate_tokens(self, tokens: list[int]) -> list[int]:
         valid = []

@@ -78,7 +78,8 @@ def test_step_profile_runs_and_outputs_match(tmp_path, coarse):
 def test_step_profile_of_structured_outputs(tmp_path):
     """The ``structured`` workload (a regex on every request, vLLM's default
     backend): outputs identical, and the grammar's functions timed on both
-    sides, every request's tokens accepted by the grammar."""
+    sides (stock calls ``accept_tokens`` for every request, grammar or not;
+    fastbatch's compiled update only for those with a grammar)."""
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / "step_profile.py"), "--workloads", "structured",
          "--concurrency", "8", "--max-tokens", "8", "--runs", "1", "--out", str(tmp_path)],

@@ -374,7 +374,7 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
         raise MemoryError()
     cdef list slots = [None] * num_requests
     cdef list taken_requests = []
-    cdef list grammar_ids = []  # the ids of the requests taken with a grammar
+    cdef list grammars = []  # (id, request) of each request taken with a grammar
     cdef Py_ssize_t num_refused = 0, num_grammars = 0
     cdef bint has_grammar
     cdef dict rest = {}
@@ -429,9 +429,9 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
                              cu_rows, &taken[count]):
                     taken[count].has_grammar = has_grammar
                     if has_grammar:
-                        grammar_ids.append(req_id)
+                        grammars.append((req_id, request))
                     slots[i] = tokens  # the request's sampled list, for pass 2
-                    taken_requests.append(request)
+                    taken_requests.append(attrs)
                     count += 1
                     i += 1
                     continue
@@ -448,8 +448,7 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
             tokens = slots[i]
             if type(tokens) is not list:
                 continue
-            request = taken_requests[count]
-            attrs = request.__dict__
+            attrs = <dict>taken_requests[count]
             if taken[count].has_grammar:
                 undo = (attrs["num_in_flight_tokens"], attrs["num_computed_tokens"],
                         attrs["num_output_placeholders"])
@@ -463,6 +462,7 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
             if taken[count].placeholders >= 0:
                 attrs["num_output_placeholders"] = taken[count].placeholders
             if taken[count].has_grammar:
+                req_id, request = <tuple>grammars[num_grammars]
                 num_grammars += 1
                 if not accept(request, tokens):
                     # vLLM's loop stops it with an error: it gets the request
@@ -471,7 +471,6 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
                      attrs["num_output_placeholders"]) = undo
                     del (<list>output_ids)[-len(<list>tokens):]
                     del (<list>all_ids)[-len(<list>tokens):]
-                    req_id = grammar_ids[num_grammars - 1]
                     slots[i] = req_id
                     refused.append(req_id)
                     num_refused += 1

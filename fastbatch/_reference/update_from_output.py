@@ -352,8 +352,9 @@ def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_outp
             continue
         req_id, request, row, effects, has_grammar = next(pending)
         in_flight_after, placeholders_after, computed_after, with_logprobs = effects
-        before = (request.num_in_flight_tokens, request.num_computed_tokens,
-                  request.num_output_placeholders)
+        if has_grammar:
+            before = (request.num_in_flight_tokens, request.num_computed_tokens,
+                      request.num_output_placeholders)
         request.num_in_flight_tokens = in_flight_after
         request._output_token_ids.extend(tokens)
         request._all_token_ids.extend(tokens)

@@ -1077,15 +1077,16 @@ def _stand_in_requests() -> list[Any]:
     return requests
 
 
-class _StandInGrammar:
-    """A grammar that accepts every token but ``refuses``, and keeps the
-    tokens it accepted (for the activation check)."""
+class StandInGrammar:
+    """A grammar that accepts every token but those it ``refuses``, and keeps
+    the tokens it accepted (the activation check's; the tests' lockstep
+    extends it)."""
 
-    def __init__(self, refuses: int | None) -> None:
+    def __init__(self, refuses: tuple[int, ...]) -> None:
         self.refuses, self.accepted = refuses, []
 
     def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
-        if self.refuses in tokens:
+        if any(token in self.refuses for token in tokens):
             return False
         self.accepted.extend(tokens)
         return True
@@ -1101,9 +1102,9 @@ def _with_stand_in_grammars(scheduler: Any) -> None:
     manager = object.__new__(StructuredOutputManager)
     manager.enable_in_reasoning = True  # every token is the grammar's
     scheduler.structured_output_manager = manager
-    for request_id, refuses in (("r1", None), ("r3", 20)):
+    for request_id, refuses in (("r1", ()), ("r3", (20,))):
         scheduler.requests[request_id].structured_output_request = StructuredOutputRequest(
-            params=StructuredOutputsParams(regex="[a-z]*"), _grammar=_StandInGrammar(refuses))
+            params=StructuredOutputsParams(regex="[a-z]*"), _grammar=StandInGrammar(refuses))
 
 
 def _not_a_planted_refusal(record: logging.LogRecord) -> bool:
