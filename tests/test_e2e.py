@@ -711,6 +711,7 @@ def test_logprobs_are_stock_bit_for_bit(logprobs_run, vocab):
             "get_output"} <= worked
     if "update_sample_logprobs" in PATCH_NAMES:  # the logprobs piece took requests
         assert "update_sample_logprobs" in worked
+    assert ours["status"]["stats"]["detokenizer_update"]["stops"] > 0  # stop strings met
 
     # ...on requests that cover what they should.
     requests = {request["label"]: request for request in stock["requests"]}

@@ -139,6 +139,13 @@ def _late_cumulative_logprob_off(result, processor, *rest):
         processor.cumulative_logprob += 1.0
 
 
+def _late_text_off(result, detokenizer, *rest):
+    """A character too many in a request's text once it has more than
+    ``LATE_TOKENS`` tokens (the activation check's have at most 14)."""
+    if len(detokenizer.token_ids) > LATE_TOKENS:
+        detokenizer.output_text += "!"
+
+
 def _allocate_slots_refuses_late_decodes() -> None:
     from fastbatch.patches.allocate_slots import PATCH
 
@@ -171,6 +178,7 @@ BUGS: dict[str, Callable[[], None]] = {
     "schedule_running": lambda: _wrap("schedule_running_requests", _budget_token_short),
     "update_sample_logprobs": lambda: _wrap("update_sample_logprobs",
                                             _late_cumulative_logprob_off),
+    "detokenizer_update": lambda: _wrap("update_detokenizer", _late_text_off),
 }
 
 

@@ -40,6 +40,9 @@ RELEASES: dict[str, tuple[str, ...]] = {
     "vllm.v1.core.sched.scheduler.Scheduler.update_from_output": (
         "0.32.0", "0.33.0",
     ),
+    "vllm.v1.engine.detokenizer.BaseIncrementalDetokenizer.update": (
+        "0.32.0", "0.33.0",
+    ),
     "vllm.v1.engine.logprobs.LogprobsProcessor._update_sample_logprobs": (
         "0.32.0", "0.33.0",
     ),

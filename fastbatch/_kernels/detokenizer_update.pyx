@@ -1,0 +1,172 @@
+# Compiler directives are set in setup.py (one place, with a debug switch).
+"""Compiled piece ``detokenizer_update``: vLLM's
+``BaseIncrementalDetokenizer.update`` for a ``FastIncrementalDetokenizer``.
+
+Every attribute is read before anything is written; then vLLM's steps in
+vLLM's order.  Each token's text is appended to ``output_text`` in place when
+nothing else holds the string, as CPython's own ``text += piece`` does for a
+local variable (vLLM's ``self.output_text += ...`` copies the whole text for
+every token).  ``fastbatch._reference`` holds the same behaviour in plain
+Python.
+"""
+
+__all__ = ["update_detokenizer"]
+
+from cpython.object cimport PyObject
+from libc.stdint cimport uint64_t
+
+from bisect import bisect_left
+
+from fastbatch._kernels._common cimport Py_DECREF, Py_INCREF, Py_XDECREF
+
+
+cdef extern from "Python.h":
+    bint PyUnicode_CheckExact(PyObject* o)
+    Py_ssize_t PyUnicode_GET_LENGTH(PyObject* o)
+    unsigned int PyUnicode_KIND(PyObject* o)
+    bint PyUnicode_IS_ASCII(PyObject* o)
+    Py_ssize_t Py_REFCNT(PyObject* o)
+    int PyUnicode_Resize(PyObject** unicode, Py_ssize_t length) except -1
+    Py_ssize_t PyUnicode_CopyCharacters(PyObject* to, Py_ssize_t to_start, PyObject* source,
+                                        Py_ssize_t from_start, Py_ssize_t how_many) except -1
+    PyObject* PyUnicode_Concat(PyObject* left, PyObject* right) except NULL
+    PyObject* PyNumber_InPlaceAdd(PyObject* left, PyObject* right) except NULL
+
+# Process-wide counters, read with stats().
+cdef uint64_t _detokenizer_calls = 0
+cdef uint64_t _detokenizer_tokens = 0
+cdef uint64_t _detokenizer_stops = 0
+
+
+def stats():
+    """This piece's counters since import or the last ``reset_stats()``."""
+    return {"calls": _detokenizer_calls,
+            "tokens": _detokenizer_tokens,
+            "stops": _detokenizer_stops}
+
+
+def reset_stats():
+    """Set every counter of ``stats()`` back to zero."""
+    global _detokenizer_calls, _detokenizer_tokens, _detokenizer_stops
+    _detokenizer_calls = _detokenizer_tokens = _detokenizer_stops = 0
+
+
+cdef int _append(PyObject** text, PyObject* piece) except -1:
+    """``*text += piece`` (``*text`` an owned reference, replaced by the
+    result's).  An exact str that this reference alone holds grows in place
+    (``PyUnicode_Resize`` copies it instead where it is not resizable: interned,
+    hashed); anything else is Python's ``+=``.  On failure ``*text`` is as it
+    was."""
+    cdef Py_ssize_t length, extra
+    cdef PyObject* result
+    if PyUnicode_CheckExact(text[0]) and PyUnicode_CheckExact(piece):
+        extra = PyUnicode_GET_LENGTH(piece)
+        if extra == 0:
+            return 0  # str += "" is the same str
+        length = PyUnicode_GET_LENGTH(text[0])
+        if (length and Py_REFCNT(text[0]) == 1
+                and PyUnicode_KIND(piece) <= PyUnicode_KIND(text[0])
+                and (PyUnicode_IS_ASCII(piece) or not PyUnicode_IS_ASCII(text[0]))):
+            PyUnicode_Resize(text, length + extra)
+            PyUnicode_CopyCharacters(text[0], length, piece, 0, extra)
+            return 0
+        result = PyUnicode_Concat(text[0], piece)
+    else:
+        result = PyNumber_InPlaceAdd(text[0], piece)
+    Py_DECREF(text[0])
+    text[0] = result
+    return 0
+
+
+cdef object _attribute(dict attrs, str name, object detokenizer):
+    try:
+        return attrs[name]
+    except KeyError:
+        raise AttributeError(f"{type(detokenizer).__name__} object has no attribute "
+                             f"{name!r}") from None
+
+
+def update_detokenizer(detokenizer, list new_token_ids not None, stop_terminated,
+                       check_stop_strings):
+    """vLLM's ``BaseIncrementalDetokenizer.update(new_token_ids,
+    stop_terminated)`` for a ``FastIncrementalDetokenizer`` (whose
+    ``num_output_tokens()`` is ``len(token_ids)``): each new token appended to
+    ``token_ids`` and its text, ``detokenizer.decode_next(token_id)`` (vLLM's
+    own), to ``output_text``; the last one not decoded when
+    ``stop_terminated`` and the stop string is not kept; then, with stop
+    strings, vLLM's ``check_stop_strings`` (passed in) from the first token
+    past ``min_tokens``, and the tokens after the match dropped and the text
+    truncated as vLLM does.  Returns the stop string matched, or None.
+
+    Its attributes are read through the instance dict (``token_ids``,
+    ``output_text``, ``stop``, ``min_tokens``, ``include_stop_str_in_output``),
+    all before anything is written: TypeError without an instance dict,
+    AttributeError naming a missing one.  An exception from ``decode_next``
+    or ``check_stop_strings`` propagates with the detokenizer as vLLM's
+    method leaves it (the token appended, the text up to the one before).
+    """
+    global _detokenizer_calls, _detokenizer_tokens, _detokenizer_stops
+    attrs = getattr(detokenizer, "__dict__", None)
+    if type(attrs) is not dict:
+        raise TypeError(f"detokenizer must have an instance dict, got "
+                        f"{type(detokenizer).__name__}")
+    token_ids = _attribute(attrs, "token_ids", detokenizer)
+    output_text = _attribute(attrs, "output_text", detokenizer)
+    stop = _attribute(attrs, "stop", detokenizer)
+    min_tokens = _attribute(attrs, "min_tokens", detokenizer)
+    include_stop = _attribute(attrs, "include_stop_str_in_output", detokenizer)
+    _detokenizer_calls += 1
+    cdef Py_ssize_t count = len(new_token_ids)
+    if count == 0:
+        return None
+    skipped = None
+    if stop_terminated and not include_stop:
+        skipped = new_token_ids[count - 1]
+        count -= 1
+    cdef Py_ssize_t num_prev_tokens = len(token_ids)
+    cdef list token_offsets = [len(output_text)] if stop else None
+    cdef Py_ssize_t index
+    cdef PyObject* text = <PyObject*>output_text  # owned below, as the loop's text
+    Py_INCREF(text)
+    output_text = None
+    try:
+        for index in range(count):
+            if index >= len(new_token_ids):  # only if decode_next shortened the list
+                break
+            token_id = new_token_ids[index]
+            token_ids.append(token_id)
+            piece = detokenizer.decode_next(token_id)
+            attrs["output_text"] = None  # so that the text can grow in place
+            try:
+                _append(&text, <PyObject*>piece)
+            finally:
+                attrs["output_text"] = <object>text
+            if token_offsets is not None:
+                token_offsets.append(PyUnicode_GET_LENGTH(text)
+                                     if PyUnicode_CheckExact(text) else len(<object>text))
+            _detokenizer_tokens += 1
+        output_text = <object>text
+    finally:
+        Py_XDECREF(text)
+    if skipped is not None:
+        token_ids.append(skipped)
+        if token_offsets is not None:
+            token_offsets.append(len(output_text))
+    if token_offsets is None or not len(token_ids) > min_tokens:
+        return None
+    stop_check_offset = token_offsets[max(min_tokens - num_prev_tokens, 0)]
+    found = check_stop_strings(output_text=output_text,
+                               new_char_count=len(output_text) - stop_check_offset,
+                               stop=stop, include_in_output=include_stop)
+    if found is None:
+        return None
+    stop_string, truncate_to = found
+    stop_end = len(output_text) if truncate_to == -1 else truncate_to
+    if not include_stop:
+        stop_end += len(stop_string)
+    num_kept = bisect_left(token_offsets, stop_end, lo=1)
+    del token_ids[num_prev_tokens + num_kept:]
+    if truncate_to != -1:
+        attrs["output_text"] = output_text[:truncate_to]
+    _detokenizer_stops += 1
+    return stop_string

@@ -1,0 +1,285 @@
+"""Patch: ``vllm.v1.engine.detokenizer.BaseIncrementalDetokenizer.update``.
+
+What is replaced: the method the output processor calls once per request
+and step to detokenize the request's new tokens and check its stop strings.
+For a ``FastIncrementalDetokenizer`` (every tokenizer of the ``tokenizers``
+library: what vLLM uses for nearly every model) one compiled call
+(``fastbatch.update_detokenizer``) does what the method does, in vLLM's
+order: each token appended to ``token_ids``, its text from vLLM's own
+``decode_next`` (the tokenizers library's ``DecodeStream``) appended to
+``output_text``, then vLLM's own ``check_stop_strings`` and its truncation.
+Any other detokenizer (``SlowIncrementalDetokenizer``, a subclass) runs
+vLLM's method.
+
+Why: vLLM appends each token's text with ``self.output_text += text``.
+CPython grows a string in place only for a local variable that holds its
+only reference; an attribute's string is copied whole for every token, so a
+request's text costs time quadratic in its length: in vLLM 0.33.0, 1.5 us an
+update at 128 tokens, 6 us at 8,192 and 36-45 us at 32,768 (the text 116k
+characters), measured on the method alone (docs/pieces/detokenizer_update.md).
+Long outputs (reasoning models, RL rollouts) at high concurrency pay it on
+every step: 1,024 requests 32k tokens into their outputs spend some 40 ms a
+step here.  fastbatch takes the text out of the instance dict for the
+append, so that the string is resized in place when nothing else holds it
+(a string something else holds, a caller's ``RequestOutput`` say, is copied
+as before: a str is never changed under anyone's feet), and runs the loop
+around vLLM's ``decode_next`` compiled.  The values are vLLM's: the same
+text, token ids and stop string.
+
+The output processor is the same under Model Runner V1 and V2 (it runs in
+the front-end process), so this piece acts under both runners.
+
+When it can go: when vLLM builds ``output_text`` without copying it for
+every token (a local accumulation, or a list of pieces).
+
+Safety: see ``fastbatch.patches._patch``.  The guard pins the target and
+``IncrementalDetokenizer.num_output_tokens`` (``len(token_ids)`` for a
+``FastIncrementalDetokenizer``, read by the compiled call as that).  The
+attributes are read and written through the instance dict, which is what
+attribute access does for them (checked when first used:
+``instance_dict_problem``, and no ``__setattr__`` of the class's own).  The
+activation check runs vLLM's method and fastbatch's side by side on
+detokenizers whose ``decode_next`` answers scripted texts (ASCII, empty,
+Latin-1, CJK, emoji and U+FFFD; stop strings kept and not, ``min_tokens``,
+stop-terminated updates, several tokens an update, a match in the middle of
+them), with a caller holding an earlier text that must stay as it was.
+
+Shadow check (``FASTBATCH_VERIFY``): a detokenizer's ``DecodeStream``
+cannot be copied or rewound, so the shadow never decodes twice: it records
+what ``decode_next`` answered fastbatch's call (the token ids asked, in
+order, and each text or exception), and vLLM's method runs on a stand-in
+with a copy of the state whose ``decode_next`` answers the same.  Compared:
+the token ids asked, the return value, ``token_ids`` and ``output_text``.
+On a divergence vLLM's ``token_ids`` and ``output_text`` are put in place;
+the stream was advanced by the tokens fastbatch asked for (if they were not
+vLLM's, that request's later texts may differ; the piece runs vLLM's code
+for the rest of the process either way).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import fastbatch
+from fastbatch.patches._patch import Patch, Shadow, instance_dict_problem
+
+MODULE = "vllm.v1.engine.detokenizer"
+TARGET = f"{MODULE}:BaseIncrementalDetokenizer.update"
+VERIFIED_FINGERPRINTS = {
+    "a2c888954407843b79f119f2bed7c8d18103be64353b61cc81bba17106caef55":
+        "vLLM 0.32.0-0.33.0",
+}
+COMPANION_FINGERPRINTS = {
+    f"{MODULE}:IncrementalDetokenizer.num_output_tokens": {
+        "c1c630e64248bd26da9c7164360fa1b13b2fd555e3f91c036001a4fbd150a91b":
+            "vLLM 0.32.0-0.33.0"},
+}
+# What the compiled call reads through the instance dict (and writes:
+# token_ids in place, output_text).
+STATE = ("token_ids", "output_text", "stop", "min_tokens", "include_stop_str_in_output")
+
+
+class _Never:
+    """No detokenizer is of this type: where fastbatch may not take
+    ``FastIncrementalDetokenizer``, ``_taken`` is this."""
+
+
+# Bound on first use (this module imports no vLLM until then).
+_taken: type | None = None  # the detokenizer type the compiled call takes
+_globals: dict[str, Any] = {}  # vLLM's module (check_stop_strings, read per call)
+
+
+def _bind() -> type:
+    global _taken, _globals
+    module = sys.modules[MODULE]
+    fast = module.FastIncrementalDetokenizer
+    problem = instance_dict_problem(object.__new__(fast), (), STATE)
+    takes = (problem is None and fast.__setattr__ is object.__setattr__
+             and fast.num_output_tokens is module.IncrementalDetokenizer.num_output_tokens)
+    _globals = vars(module)
+    _taken = fast if takes else _Never
+    return _taken
+
+
+def _stock_method() -> Any:
+    """vLLM's method: the patch's original while applied, else the class's."""
+    original = PATCH.original()
+    if original is not None:
+        return original
+    return sys.modules[MODULE].BaseIncrementalDetokenizer.update
+
+
+def _update(self: Any, new_token_ids: list[int], stop_terminated: bool) -> str | None:
+    """fastbatch's drop-in for ``BaseIncrementalDetokenizer.update``."""
+    if type(self) is (_taken or _bind()) and type(new_token_ids) is list:
+        return fastbatch.update_detokenizer(self, new_token_ids, stop_terminated,
+                                            _globals["check_stop_strings"])
+    return _stock_method()(self, new_token_ids, stop_terminated)
+
+
+# ---------------------------------------------------------------------------
+# The activation check: detokenizers whose decode_next answers scripted texts.
+
+TEXTS = {1: "Hello", 2: " world", 3: "", 4: "\u00e9t\u00e9", 5: "\u4e2d", 6: "\U0001f642",
+         7: "\n", 8: "STOP", 9: "ST", 10: "OP", 11: "\ufffd", 12: "!"}
+
+
+class ScriptedText:
+    """A ``decode_next`` (set on the instance) that answers ``TEXTS``, or
+    recorded answers in order, and records the token ids it was asked for."""
+
+    def __init__(self, answers: list[tuple[Any, Any]] | None = None) -> None:
+        self.answers = answers
+        self.asked: list[Any] = []
+
+    def __call__(self, token_id: Any) -> Any:
+        self.asked.append(token_id)
+        if self.answers is None:
+            return TEXTS.get(token_id, "?")
+        index = len(self.asked) - 1
+        if index >= len(self.answers) or self.answers[index][0] != token_id:
+            return ""  # not what fastbatch asked: the calls compared tell
+        answer = self.answers[index][1]
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+
+def stand_in(state: dict[str, Any], decode_next: Any) -> Any:
+    """A ``FastIncrementalDetokenizer`` (built without ``__init__``, which
+    needs a tokenizer) with ``state`` (``token_ids`` copied) and
+    ``decode_next``."""
+    detokenizer = object.__new__(sys.modules[MODULE].FastIncrementalDetokenizer)
+    vars(detokenizer).update(state, token_ids=list(state["token_ids"]),
+                             decode_next=decode_next)
+    return detokenizer
+
+
+def state_of(detokenizer: Any) -> dict[str, Any]:
+    return {name: vars(detokenizer)[name] for name in STATE}
+
+
+def _scripts() -> list[tuple[dict[str, Any], list[tuple[list[int], bool]]]]:
+    """(initial state, the updates (new_token_ids, stop_terminated))."""
+    def state(stop: list[str], min_tokens: int = 0, include: bool = False) -> dict[str, Any]:
+        return {"token_ids": [], "output_text": "", "stop": stop, "min_tokens": min_tokens,
+                "include_stop_str_in_output": include}
+
+    plain = [([1], False), ([2], False), ([], False), ([3], False), ([1, 2], False),
+             ([4], False), ([12], False), ([5], False), ([1], False), ([6], False),
+             ([11, 12], False), ([7], True), ([2], True)]
+    stopping = [([1], False), ([9], False), ([10, 2, 1], False), ([12], False)]
+    return [
+        (state([]), plain),
+        (state(["\n"], include=True), plain),
+        (state(["zz"]), [([1], False), ([2], False), ([12], True)]),
+        (state(["STOP"]), stopping),
+        (state(["STOP"], include=True), stopping),
+        (state(["world", "STOP"], min_tokens=3), [([1, 2], False), ([8], False),
+                                                  ([1, 2], False)]),
+        (state(["\u00e9", "lo"]), [([6, 1], False), ([4, 2, 8], False)]),
+        (state(["!"]), [([1], False), ([12], True)]),
+        (state(["!"], include=True), [([1], False), ([12], True)]),
+        (state(["\U0001f642"]), [([5, 5], False), ([6, 1], False)]),
+    ]
+
+
+def _code_points(text: str) -> list[int]:
+    return [ord(char) for char in text]
+
+
+def activation_check(method: Any, replacement: Any) -> str | None:
+    """Run both on the scripted detokenizers; why they differ, or None."""
+    for initial, updates in _scripts():
+        stock = stand_in(initial, ScriptedText())
+        ours = stand_in(initial, ScriptedText())
+        # Every other text is kept, as a caller's RequestOutput would keep
+        # it: it must never change; the others may grow in place.
+        held = []
+        for step, (new_token_ids, stop_terminated) in enumerate(updates):
+            expected = method(stock, list(new_token_ids), stop_terminated)
+            got = replacement(ours, list(new_token_ids), stop_terminated)
+            if step % 2:
+                held.append((ours.output_text, _code_points(ours.output_text)))
+            if (got, state_of(ours), ours.decode_next.asked) != (
+                    expected, state_of(stock), stock.decode_next.asked):
+                return (f"{initial} after {new_token_ids}: fastbatch gave {got!r}, "
+                        f"{state_of(ours)}, vLLM gave {expected!r}, {state_of(stock)}")
+        changed = [kept for kept, copy in held if _code_points(kept) != copy]
+        if changed:
+            return f"a text held by a caller was changed: {changed[0]}"
+    return None
+
+
+# ---------------------------------------------------------------------------
+# The shadow check.
+
+class Recording:
+    """The live detokenizer's ``decode_next`` while fastbatch's call runs
+    (set on the instance): vLLM's, with each answer recorded."""
+
+    def __init__(self, decode_next: Any, answers: list[tuple[Any, Any]]) -> None:
+        self.decode_next = decode_next
+        self.answers = answers
+
+    def __call__(self, token_id: Any) -> Any:
+        try:
+            text = self.decode_next(token_id)
+        except Exception as exc:
+            self.answers.append((token_id, exc))
+            raise
+        self.answers.append((token_id, text))
+        return text
+
+
+def _snapshot(detokenizer: Any, new_token_ids: Any, stop_terminated: Any) -> Any:
+    if type(detokenizer) is not (_taken or _bind()) or type(new_token_ids) is not list:
+        return None  # vLLM's own method runs: nothing to check
+    attrs = vars(detokenizer)
+    state = state_of(detokenizer)
+    inputs = {"state": dict(state, token_ids=list(state["token_ids"])),
+              "new_token_ids": list(new_token_ids), "stop_terminated": stop_terminated,
+              "answers": [], "own_decode_next": attrs.get("decode_next", _Never)}
+    attrs["decode_next"] = Recording(detokenizer.decode_next, inputs["answers"])
+    return inputs
+
+
+def _check(inputs: dict[str, Any], result: Any, detokenizer: Any, *args: Any) -> bool:
+    """Right after fastbatch's call: the recording taken off again."""
+    attrs = vars(detokenizer)
+    if inputs.pop("own_decode_next") is _Never:
+        del attrs["decode_next"]
+    else:
+        attrs["decode_next"] = inputs["own_decode_next"]
+    return True
+
+
+def _run(method: Any, inputs: dict[str, Any]) -> tuple[Any, ...]:
+    """``method`` on a stand-in whose ``decode_next`` answers what vLLM's
+    answered fastbatch's call: its outcome."""
+    detokenizer = stand_in(inputs["state"], ScriptedText(inputs["answers"]))
+    result = method(detokenizer, list(inputs["new_token_ids"]), inputs["stop_terminated"])
+    return result, detokenizer.decode_next.asked, state_of(detokenizer)
+
+
+def _outcome(inputs: dict[str, Any], result: Any, detokenizer: Any,
+             *args: Any) -> tuple[Any, ...]:
+    return result, [token_id for token_id, _ in inputs["answers"]], state_of(detokenizer)
+
+
+def _restore(inputs: dict[str, Any], stock: tuple[Any, ...], result: Any, detokenizer: Any,
+             *args: Any) -> Any:
+    """vLLM's token ids and text in place (the same list object)."""
+    stock_state = stock[2]
+    vars(detokenizer)["token_ids"][:] = stock_state["token_ids"]
+    vars(detokenizer)["output_text"] = stock_state["output_text"]
+    return stock[0]
+
+
+SHADOW = Shadow(snapshot=_snapshot, run=_run, outcome=_outcome, restore=_restore,
+                check=_check)
+
+PATCH = Patch(TARGET, _update, fingerprints=VERIFIED_FINGERPRINTS,
+              companions=COMPANION_FINGERPRINTS, activation_check=activation_check,
+              shadow=SHADOW)
