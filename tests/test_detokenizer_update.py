@@ -187,10 +187,12 @@ def test_worked_example(implementation):
     assert implementation.stats()[NAME]["stops"] >= 1
 
 
-def test_a_text_grows_in_place_only_when_nothing_else_holds_it(implementation):
-    """Thousands of appends to one text nobody holds, and now and then one
-    held: the held ones never change, and every kind of str (ASCII, Latin-1,
-    UCS-2, UCS-4) is met on the way."""
+def test_texts_a_caller_holds_never_change(implementation):
+    """Thousands of appends to one text, which the compiled call may grow in
+    place while nothing else holds it; now and then a caller keeps it: what
+    the caller kept never changes, and every kind of str (ASCII, Latin-1,
+    UCS-2, UCS-4) is met on the way.  (That the text does grow in place is
+    measured, not tested: benchmarks/detokenizer.py.)"""
     update = kernel_update(implementation)
     detokenizer, expected = Detokenizer(), Detokenizer()
     held = []
@@ -393,7 +395,7 @@ def test_matches_the_real_method(kernel, script):
 
 @pytest.mark.vllm
 @pytest.mark.usefixtures("stock_vllm")
-def test_a_long_output_is_stock_and_grows_in_place():
+def test_a_long_output_is_stock():
     """4,000 tokens of real text, one a step, the text kept by a caller now
     and then (a streaming RequestOutput): vLLM's text and ids."""
     ids = tokenizer().encode("".join(TRAINING) * 5, add_special_tokens=False)[:4000]

@@ -17,7 +17,12 @@ from libc.stdint cimport uint64_t
 
 from bisect import bisect_left
 
-from fastbatch._kernels._common cimport Py_DECREF, Py_INCREF, Py_XDECREF
+from fastbatch._kernels._common cimport (
+    Py_DECREF,
+    Py_INCREF,
+    Py_XDECREF,
+    PyDict_GetItemWithError,
+)
 
 
 cdef extern from "Python.h":
@@ -31,6 +36,8 @@ cdef extern from "Python.h":
                                         Py_ssize_t from_start, Py_ssize_t how_many) except -1
     PyObject* PyUnicode_Concat(PyObject* left, PyObject* right) except NULL
     PyObject* PyNumber_InPlaceAdd(PyObject* left, PyObject* right) except NULL
+    int PyDict_SetItem(dict mp, object key, object value) except -1
+    object PyObject_GenericGetDict(object o, void* context)
 
 # Process-wide counters, read with stats().
 cdef uint64_t _detokenizer_calls = 0
@@ -51,12 +58,21 @@ def reset_stats():
     _detokenizer_calls = _detokenizer_tokens = _detokenizer_stops = 0
 
 
-cdef int _append(PyObject** text, PyObject* piece) except -1:
-    """``*text += piece`` (``*text`` an owned reference, replaced by the
-    result's).  An exact str that this reference alone holds grows in place
-    (``PyUnicode_Resize`` copies it instead where it is not resizable: interned,
-    hashed); anything else is Python's ``+=``.  On failure ``*text`` is as it
-    was."""
+cdef enum:
+    # Texts at least this long are grown in place (where nothing else holds
+    # them); a shorter one is cheaper to copy than to take out of the
+    # instance dict and put back.
+    IN_PLACE_MIN_LENGTH = 1024
+
+
+cdef int _append(dict attrs, PyObject** text, PyObject* piece) except -1:
+    """``attrs["output_text"] = *text + piece`` (``*text`` an owned reference
+    to the text the dict holds, replaced by the result's), as vLLM's
+    ``self.output_text += piece``.  A long exact str that only the dict and
+    this reference hold is taken out of the dict and grown in place
+    (``PyUnicode_Resize`` would copy one that is interned or hashed);
+    anything else is Python's ``+=``.  On failure the dict and ``*text`` are
+    as they were."""
     cdef Py_ssize_t length, extra
     cdef PyObject* result
     if PyUnicode_CheckExact(text[0]) and PyUnicode_CheckExact(piece):
@@ -64,26 +80,33 @@ cdef int _append(PyObject** text, PyObject* piece) except -1:
         if extra == 0:
             return 0  # str += "" is the same str
         length = PyUnicode_GET_LENGTH(text[0])
-        if (length and Py_REFCNT(text[0]) == 1
+        if (length >= IN_PLACE_MIN_LENGTH and Py_REFCNT(text[0]) == 2
                 and PyUnicode_KIND(piece) <= PyUnicode_KIND(text[0])
                 and (PyUnicode_IS_ASCII(piece) or not PyUnicode_IS_ASCII(text[0]))):
-            PyUnicode_Resize(text, length + extra)
-            PyUnicode_CopyCharacters(text[0], length, piece, 0, extra)
+            PyDict_SetItem(attrs, "output_text", None)  # the text's one reference is ours
+            try:
+                PyUnicode_Resize(text, length + extra)
+                PyUnicode_CopyCharacters(text[0], length, piece, 0, extra)
+            finally:
+                PyDict_SetItem(attrs, "output_text", <object>text[0])
             return 0
         result = PyUnicode_Concat(text[0], piece)
     else:
         result = PyNumber_InPlaceAdd(text[0], piece)
-    Py_DECREF(text[0])
-    text[0] = result
+    try:
+        PyDict_SetItem(attrs, "output_text", <object>result)
+    finally:
+        Py_DECREF(text[0])
+        text[0] = result
     return 0
 
 
 cdef object _attribute(dict attrs, str name, object detokenizer):
-    try:
-        return attrs[name]
-    except KeyError:
+    cdef PyObject* value = PyDict_GetItemWithError(<PyObject*>attrs, <PyObject*>name)
+    if value == NULL:
         raise AttributeError(f"{type(detokenizer).__name__} object has no attribute "
-                             f"{name!r}") from None
+                             f"{name!r}")
+    return <object>value
 
 
 def update_detokenizer(detokenizer, list new_token_ids not None, stop_terminated,
@@ -98,33 +121,43 @@ def update_detokenizer(detokenizer, list new_token_ids not None, stop_terminated
     past ``min_tokens``, and the tokens after the match dropped and the text
     truncated as vLLM does.  Returns the stop string matched, or None.
 
-    Its attributes are read through the instance dict (``token_ids``,
-    ``output_text``, ``stop``, ``min_tokens``, ``include_stop_str_in_output``),
-    all before anything is written: TypeError without an instance dict,
-    AttributeError naming a missing one.  An exception from ``decode_next``
+    Its attributes are read through the instance dict, all before anything
+    is written: ``token_ids``, ``output_text`` and ``stop``; with stop strings
+    or ``stop_terminated``, ``include_stop_str_in_output``; with stop
+    strings, ``min_tokens`` (where vLLM's method reads them).  TypeError
+    without an instance dict, AttributeError naming a missing one.  An exception from ``decode_next``
     or ``check_stop_strings`` propagates with the detokenizer as vLLM's
     method leaves it (the token appended, the text up to the one before).
     """
     global _detokenizer_calls, _detokenizer_tokens, _detokenizer_stops
-    attrs = getattr(detokenizer, "__dict__", None)
+    try:
+        attrs = PyObject_GenericGetDict(detokenizer, NULL)
+    except AttributeError:
+        attrs = None
     if type(attrs) is not dict:
         raise TypeError(f"detokenizer must have an instance dict, got "
                         f"{type(detokenizer).__name__}")
     token_ids = _attribute(attrs, "token_ids", detokenizer)
     output_text = _attribute(attrs, "output_text", detokenizer)
     stop = _attribute(attrs, "stop", detokenizer)
-    min_tokens = _attribute(attrs, "min_tokens", detokenizer)
-    include_stop = _attribute(attrs, "include_stop_str_in_output", detokenizer)
+    cdef bint stopping = bool(stop)
+    # read where vLLM reads them (but before anything is written)
+    cdef bint terminated = bool(stop_terminated)
+    include_stop = min_tokens = None
+    if terminated or stopping:
+        include_stop = _attribute(attrs, "include_stop_str_in_output", detokenizer)
+    if stopping:
+        min_tokens = _attribute(attrs, "min_tokens", detokenizer)
     _detokenizer_calls += 1
     cdef Py_ssize_t count = len(new_token_ids)
     if count == 0:
         return None
     skipped = None
-    if stop_terminated and not include_stop:
+    if terminated and not include_stop:
         skipped = new_token_ids[count - 1]
         count -= 1
     cdef Py_ssize_t num_prev_tokens = len(token_ids)
-    cdef list token_offsets = [len(output_text)] if stop else None
+    cdef list token_offsets = [len(output_text)] if stopping else None
     cdef Py_ssize_t index
     cdef PyObject* text = <PyObject*>output_text  # owned below, as the loop's text
     Py_INCREF(text)
@@ -136,11 +169,7 @@ def update_detokenizer(detokenizer, list new_token_ids not None, stop_terminated
             token_id = new_token_ids[index]
             token_ids.append(token_id)
             piece = detokenizer.decode_next(token_id)
-            attrs["output_text"] = None  # so that the text can grow in place
-            try:
-                _append(&text, <PyObject*>piece)
-            finally:
-                attrs["output_text"] = <object>text
+            _append(attrs, &text, <PyObject*>piece)
             if token_offsets is not None:
                 token_offsets.append(PyUnicode_GET_LENGTH(text)
                                      if PyUnicode_CheckExact(text) else len(<object>text))

@@ -44,18 +44,23 @@ def update_detokenizer(detokenizer: Any, new_token_ids: list[int], stop_terminat
     token_ids = _attribute(attrs, "token_ids", detokenizer)
     output_text = _attribute(attrs, "output_text", detokenizer)
     stop = _attribute(attrs, "stop", detokenizer)
-    min_tokens = _attribute(attrs, "min_tokens", detokenizer)
-    include_stop = _attribute(attrs, "include_stop_str_in_output", detokenizer)
+    stopping, terminated = bool(stop), bool(stop_terminated)
+    # read where vLLM reads them (but before anything is written)
+    include_stop = min_tokens = None
+    if terminated or stopping:
+        include_stop = _attribute(attrs, "include_stop_str_in_output", detokenizer)
+    if stopping:
+        min_tokens = _attribute(attrs, "min_tokens", detokenizer)
     _stats["calls"] += 1
     count = len(new_token_ids)
     if count == 0:
         return None
     skipped = None
-    if stop_terminated and not include_stop:
+    if terminated and not include_stop:
         skipped = new_token_ids[count - 1]
         count -= 1
     num_prev_tokens = len(token_ids)
-    token_offsets = [len(output_text)] if stop else None
+    token_offsets = [len(output_text)] if stopping else None
     for index in range(count):
         if index >= len(new_token_ids):  # only if decode_next shortened the list
             break
