@@ -125,9 +125,10 @@ def update_detokenizer(detokenizer, list new_token_ids not None, stop_terminated
     is written: ``token_ids``, ``output_text`` and ``stop``; with stop strings
     or ``stop_terminated``, ``include_stop_str_in_output``; with stop
     strings, ``min_tokens`` (where vLLM's method reads them).  TypeError
-    without an instance dict, AttributeError naming a missing one.  An exception from ``decode_next``
-    or ``check_stop_strings`` propagates with the detokenizer as vLLM's
-    method leaves it (the token appended, the text up to the one before).
+    without an instance dict, AttributeError naming a missing one.  An
+    exception from ``decode_next`` or ``check_stop_strings`` propagates with
+    the detokenizer as vLLM's method leaves it (the token appended, the text
+    up to the one before).
     """
     global _detokenizer_calls, _detokenizer_tokens, _detokenizer_stops
     try:

@@ -48,8 +48,10 @@ Shadow check (``FASTBATCH_VERIFY``): a detokenizer's ``DecodeStream``
 cannot be copied or rewound, so the shadow never decodes twice: it records
 what ``decode_next`` answered fastbatch's call (the token ids asked, in
 order, and each text or exception), and vLLM's method runs on a stand-in
-with a copy of the state whose ``decode_next`` answers the same.  Compared:
-the token ids asked, the return value, ``token_ids`` and ``output_text``.
+with a copy of the state whose ``decode_next`` answers the same; its
+``token_ids`` holds only the ids from the call on (``TokenTail``), so that a
+check costs the same at any output length.  Compared: the token ids asked,
+the return value, the ids from the call on and ``output_text``.
 On a divergence vLLM's ``token_ids`` and ``output_text`` are put in place;
 the stream was advanced by the tokens fastbatch asked for (if they were not
 vLLM's, that request's later texts may differ; the piece runs vLLM's code
@@ -233,14 +235,37 @@ class Recording:
         return text
 
 
+class TokenTail:
+    """The ``token_ids`` of the shadow's stand-in: how many ids came before
+    the call, and the ids from there on.  vLLM's method reads the length,
+    appends, and deletes from the first new id on: what it does is in the
+    tail, and the shadow costs the same at any output length."""
+
+    def __init__(self, before: int, tail: list[Any]) -> None:
+        self.before = before
+        self.tail = tail
+
+    def __len__(self) -> int:
+        return self.before + len(self.tail)
+
+    def append(self, token_id: Any) -> None:
+        self.tail.append(token_id)
+
+    def __delitem__(self, key: slice) -> None:
+        if (type(key) is not slice or key.stop is not None or key.step is not None
+                or key.start < self.before):
+            raise IndexError(f"only ids from {self.before} on are kept, not {key}")
+        del self.tail[key.start - self.before:]
+
+
 def _snapshot(detokenizer: Any, new_token_ids: Any, stop_terminated: Any) -> Any:
     if type(detokenizer) is not (_taken or _bind()) or type(new_token_ids) is not list:
         return None  # vLLM's own method runs: nothing to check
     attrs = vars(detokenizer)
-    state = state_of(detokenizer)
-    inputs = {"state": dict(state, token_ids=list(state["token_ids"])),
-              "new_token_ids": list(new_token_ids), "stop_terminated": stop_terminated,
-              "answers": [], "own_decode_next": attrs.get("decode_next", _Never)}
+    state = dict(state_of(detokenizer), token_ids=len(attrs["token_ids"]))
+    inputs = {"state": state, "new_token_ids": list(new_token_ids),
+              "stop_terminated": stop_terminated, "answers": [],
+              "own_decode_next": attrs.get("decode_next", _Never)}
     attrs["decode_next"] = Recording(detokenizer.decode_next, inputs["answers"])
     return inputs
 
@@ -257,23 +282,29 @@ def _check(inputs: dict[str, Any], result: Any, detokenizer: Any, *args: Any) ->
 
 def _run(method: Any, inputs: dict[str, Any]) -> tuple[Any, ...]:
     """``method`` on a stand-in whose ``decode_next`` answers what vLLM's
-    answered fastbatch's call: its outcome."""
-    detokenizer = stand_in(inputs["state"], ScriptedText(inputs["answers"]))
+    answered fastbatch's call, and whose ``token_ids`` is a ``TokenTail``:
+    its outcome."""
+    detokenizer = object.__new__(sys.modules[MODULE].FastIncrementalDetokenizer)
+    tail = TokenTail(inputs["state"]["token_ids"], [])
+    vars(detokenizer).update(inputs["state"], token_ids=tail,
+                             decode_next=ScriptedText(inputs["answers"]))
     result = method(detokenizer, list(inputs["new_token_ids"]), inputs["stop_terminated"])
-    return result, detokenizer.decode_next.asked, state_of(detokenizer)
+    return (result, detokenizer.decode_next.asked, tail.tail, detokenizer.output_text)
 
 
 def _outcome(inputs: dict[str, Any], result: Any, detokenizer: Any,
              *args: Any) -> tuple[Any, ...]:
-    return result, [token_id for token_id, _ in inputs["answers"]], state_of(detokenizer)
+    attrs = vars(detokenizer)
+    return (result, [token_id for token_id, _ in inputs["answers"]],
+            attrs["token_ids"][inputs["state"]["token_ids"]:], attrs["output_text"])
 
 
 def _restore(inputs: dict[str, Any], stock: tuple[Any, ...], result: Any, detokenizer: Any,
              *args: Any) -> Any:
-    """vLLM's token ids and text in place (the same list object)."""
-    stock_state = stock[2]
-    vars(detokenizer)["token_ids"][:] = stock_state["token_ids"]
-    vars(detokenizer)["output_text"] = stock_state["output_text"]
+    """vLLM's token ids (in the same list) and text in place."""
+    attrs = vars(detokenizer)
+    attrs["token_ids"][inputs["state"]["token_ids"]:] = stock[2]
+    attrs["output_text"] = stock[3]
     return stock[0]
 
 
