@@ -14,17 +14,20 @@ vLLM's method.
 Why: vLLM appends each token's text with ``self.output_text += text``.
 CPython grows a string in place only for a local variable that holds its
 only reference; an attribute's string is copied whole for every token, so a
-request's text costs time quadratic in its length: in vLLM 0.33.0, 1.5 us an
-update at 128 tokens, 6 us at 8,192 and 36-45 us at 32,768 (the text 116k
-characters), measured on the method alone (docs/pieces/detokenizer_update.md).
+request's text costs time quadratic in its length: in vLLM 0.33.0, 2.4 us an
+update at 128 tokens, 6.4 us at 8,192 and 44 us at 32,768 (the text 110k
+characters), measured on the method alone (``tox -e bench-detokenizer``).
 Long outputs (reasoning models, RL rollouts) at high concurrency pay it on
 every step: 1,024 requests 32k tokens into their outputs spend some 40 ms a
-step here.  fastbatch takes the text out of the instance dict for the
-append, so that the string is resized in place when nothing else holds it
-(a string something else holds, a caller's ``RequestOutput`` say, is copied
-as before: a str is never changed under anyone's feet), and runs the loop
-around vLLM's ``decode_next`` compiled.  The values are vLLM's: the same
-text, token ids and stop string.
+step here; with fastbatch 2.6 us an update at every length.
+
+fastbatch takes the text out of the instance dict for the append, so that
+the string is resized in place when nothing else holds it (a string
+something else holds, a caller's ``RequestOutput`` say, is copied as before:
+a str is never changed under anyone's feet; a text under 1,024 characters
+too, cheaper to copy), and runs the loop around vLLM's ``decode_next``
+compiled.  The values are vLLM's: the same text, token ids
+and stop string.
 
 The output processor is the same under Model Runner V1 and V2 (it runs in
 the front-end process), so this piece acts under both runners.
