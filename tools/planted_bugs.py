@@ -141,7 +141,7 @@ def _late_cumulative_logprob_off(result, processor, *rest):
 
 def _late_text_off(result, detokenizer, *rest):
     """A character too many in a request's text once it has more than
-    ``LATE_TOKENS`` tokens (the activation check's have at most 14)."""
+    ``LATE_TOKENS`` tokens (the activation check's have at most 15)."""
     if len(detokenizer.token_ids) > LATE_TOKENS:
         detokenizer.output_text += "!"
 

@@ -4,10 +4,10 @@
 
 Every attribute is read before anything is written; then vLLM's steps in
 vLLM's order.  Each token's text is appended to ``output_text`` in place when
-nothing else holds the string, as CPython's own ``text += piece`` does for a
-local variable (vLLM's ``self.output_text += ...`` copies the whole text for
-every token).  ``fastbatch._reference`` holds the same behaviour in plain
-Python.
+nothing else holds the string and it is long enough for that to beat a copy,
+as CPython's own ``text += piece`` does for a local variable (vLLM's
+``self.output_text += ...`` copies the whole text for every token).
+``fastbatch._reference`` holds the same behaviour in plain Python.
 """
 
 __all__ = ["update_detokenizer"]

@@ -18,8 +18,8 @@ request's text costs time quadratic in its length: in vLLM 0.33.0, 2.4 us an
 update at 128 tokens, 6.4 us at 8,192 and 44 us at 32,768 (the text 110k
 characters), measured on the method alone (``tox -e bench-detokenizer``).
 Long outputs (reasoning models, RL rollouts) at high concurrency pay it on
-every step: 1,024 requests 32k tokens into their outputs spend some 40 ms a
-step here; with fastbatch 2.6 us an update at every length.
+every step: 1,024 requests 32k tokens into their outputs spend some 45 ms a
+step here (44 us x 1,024); with fastbatch 2.6 us an update at every length.
 
 fastbatch takes the text out of the instance dict for the append, so that
 the string is resized in place when nothing else holds it (a string
@@ -127,7 +127,8 @@ def _update(self: Any, new_token_ids: list[int], stop_terminated: bool) -> str |
 # The activation check: detokenizers whose decode_next answers scripted texts.
 
 TEXTS = {1: "Hello", 2: " world", 3: "", 4: "\u00e9t\u00e9", 5: "\u4e2d", 6: "\U0001f642",
-         7: "\n", 8: "STOP", 9: "ST", 10: "OP", 11: "\ufffd", 12: "!"}
+         7: "\n", 8: "STOP", 9: "ST", 10: "OP", 11: "\ufffd", 12: "!",
+         13: "a long piece of text, " * 20}  # a few make a text long enough to grow in place
 
 
 class ScriptedText:
@@ -187,6 +188,11 @@ def _scripts() -> list[tuple[dict[str, Any], list[tuple[list[int], bool]]]]:
         (state(["!"]), [([1], False), ([12], True)]),
         (state(["!"], include=True), [([1], False), ([12], True)]),
         (state(["\U0001f642"]), [([5, 5], False), ([6, 1], False)]),
+        # texts past the in-place threshold: ASCII, then Latin-1, UCS-2, UCS-4
+        (state([]), [([13], False)] * 6 + [([4], False), ([13], False), ([13], False),
+                                          ([5], False), ([13, 1], False), ([6], False),
+                                          ([13], False), ([13], True)]),
+        (state(["!"]), [([13, 13], False), ([1], False), ([13, 12, 13], False)]),
     ]
 
 
@@ -265,8 +271,9 @@ def _snapshot(detokenizer: Any, new_token_ids: Any, stop_terminated: Any) -> Any
     if type(detokenizer) is not (_taken or _bind()) or type(new_token_ids) is not list:
         return None  # vLLM's own method runs: nothing to check
     attrs = vars(detokenizer)
-    state = dict(state_of(detokenizer), token_ids=len(attrs["token_ids"]))
-    inputs = {"state": state, "new_token_ids": list(new_token_ids),
+    state = {name: attrs[name] for name in STATE if name != "token_ids"}
+    inputs = {"state": state, "before": len(attrs["token_ids"]),
+              "new_token_ids": list(new_token_ids),
               "stop_terminated": stop_terminated, "answers": [],
               "own_decode_next": attrs.get("decode_next", _Never)}
     attrs["decode_next"] = Recording(detokenizer.decode_next, inputs["answers"])
@@ -288,7 +295,7 @@ def _run(method: Any, inputs: dict[str, Any]) -> tuple[Any, ...]:
     answered fastbatch's call, and whose ``token_ids`` is a ``TokenTail``:
     its outcome."""
     detokenizer = object.__new__(sys.modules[MODULE].FastIncrementalDetokenizer)
-    tail = TokenTail(inputs["state"]["token_ids"], [])
+    tail = TokenTail(inputs["before"], [])
     vars(detokenizer).update(inputs["state"], token_ids=tail,
                              decode_next=ScriptedText(inputs["answers"]))
     result = method(detokenizer, list(inputs["new_token_ids"]), inputs["stop_terminated"])
@@ -299,14 +306,14 @@ def _outcome(inputs: dict[str, Any], result: Any, detokenizer: Any,
              *args: Any) -> tuple[Any, ...]:
     attrs = vars(detokenizer)
     return (result, [token_id for token_id, _ in inputs["answers"]],
-            attrs["token_ids"][inputs["state"]["token_ids"]:], attrs["output_text"])
+            attrs["token_ids"][inputs["before"]:], attrs["output_text"])
 
 
 def _restore(inputs: dict[str, Any], stock: tuple[Any, ...], result: Any, detokenizer: Any,
              *args: Any) -> Any:
     """vLLM's token ids (in the same list) and text in place."""
     attrs = vars(detokenizer)
-    attrs["token_ids"][inputs["state"]["token_ids"]:] = stock[2]
+    attrs["token_ids"][inputs["before"]:] = stock[2]
     attrs["output_text"] = stock[3]
     return stock[0]
 
