@@ -243,7 +243,7 @@ def _bad_cases():
     return [
         ("ids a tuple", Detokenizer(), (1, 2), TypeError, "new_token_ids"),
         ("ids None", Detokenizer(), None, TypeError, "new_token_ids"),
-        ("no instance dict", Slotted(), [1], TypeError, "instance dict"),
+        ("slots left unset", Slotted(), [1], AttributeError, "token_ids"),
         *[(f"no {name}", missing(name), [1], AttributeError, name)
           for name in patch.STATE],
     ]

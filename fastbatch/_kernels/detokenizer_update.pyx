@@ -17,12 +17,7 @@ from libc.stdint cimport uint64_t
 
 from bisect import bisect_left
 
-from fastbatch._kernels._common cimport (
-    Py_DECREF,
-    Py_INCREF,
-    Py_XDECREF,
-    PyDict_GetItemWithError,
-)
+from fastbatch._kernels._common cimport Py_DECREF, Py_INCREF, Py_XDECREF
 
 
 cdef extern from "Python.h":
@@ -36,8 +31,7 @@ cdef extern from "Python.h":
                                         Py_ssize_t from_start, Py_ssize_t how_many) except -1
     PyObject* PyUnicode_Concat(PyObject* left, PyObject* right) except NULL
     PyObject* PyNumber_InPlaceAdd(PyObject* left, PyObject* right) except NULL
-    int PyDict_SetItem(dict mp, object key, object value) except -1
-    object PyObject_GenericGetDict(object o, void* context)
+    int PyObject_SetAttr(object o, object name, object value) except -1
 
 # Process-wide counters, read with stats().
 cdef uint64_t _detokenizer_calls = 0
@@ -60,19 +54,19 @@ def reset_stats():
 
 cdef enum:
     # Texts at least this long are grown in place (where nothing else holds
-    # them); a shorter one is cheaper to copy than to take out of the
-    # instance dict and put back.
+    # them); a shorter one is cheaper to copy than to take off the
+    # detokenizer and put back.
     IN_PLACE_MIN_LENGTH = 1024
 
 
-cdef int _append(dict attrs, PyObject** text, PyObject* piece) except -1:
-    """``attrs["output_text"] = *text + piece`` (``*text`` an owned reference
-    to the text the dict holds, replaced by the result's), as vLLM's
-    ``self.output_text += piece``.  A long exact str that only the dict and
-    this reference hold is taken out of the dict and grown in place
-    (``PyUnicode_Resize`` would copy one that is interned or hashed);
-    anything else is Python's ``+=``.  On failure the dict and ``*text`` are
-    as they were."""
+cdef int _append(object detokenizer, PyObject** text, PyObject* piece) except -1:
+    """``detokenizer.output_text = *text + piece`` (``*text`` an owned
+    reference to the text the detokenizer holds, replaced by the result's),
+    as vLLM's ``self.output_text += piece``.  A long exact str that only the
+    detokenizer and this reference hold is taken off the detokenizer (the
+    attribute set to None) and grown in place (``PyUnicode_Resize`` would
+    copy one that is interned or hashed); anything else is Python's ``+=``.
+    On failure the attribute and ``*text`` are as they were."""
     cdef Py_ssize_t length, extra
     cdef PyObject* result
     if PyUnicode_CheckExact(text[0]) and PyUnicode_CheckExact(piece):
@@ -83,30 +77,22 @@ cdef int _append(dict attrs, PyObject** text, PyObject* piece) except -1:
         if (length >= IN_PLACE_MIN_LENGTH and Py_REFCNT(text[0]) == 2
                 and PyUnicode_KIND(piece) <= PyUnicode_KIND(text[0])
                 and (PyUnicode_IS_ASCII(piece) or not PyUnicode_IS_ASCII(text[0]))):
-            PyDict_SetItem(attrs, "output_text", None)  # the text's one reference is ours
+            PyObject_SetAttr(detokenizer, "output_text", None)  # its one reference is ours
             try:
                 PyUnicode_Resize(text, length + extra)
                 PyUnicode_CopyCharacters(text[0], length, piece, 0, extra)
             finally:
-                PyDict_SetItem(attrs, "output_text", <object>text[0])
+                PyObject_SetAttr(detokenizer, "output_text", <object>text[0])
             return 0
         result = PyUnicode_Concat(text[0], piece)
     else:
         result = PyNumber_InPlaceAdd(text[0], piece)
     try:
-        PyDict_SetItem(attrs, "output_text", <object>result)
+        PyObject_SetAttr(detokenizer, "output_text", <object>result)
     finally:
         Py_DECREF(text[0])
         text[0] = result
     return 0
-
-
-cdef object _attribute(dict attrs, str name, object detokenizer):
-    cdef PyObject* value = PyDict_GetItemWithError(<PyObject*>attrs, <PyObject*>name)
-    if value == NULL:
-        raise AttributeError(f"{type(detokenizer).__name__} object has no attribute "
-                             f"{name!r}")
-    return <object>value
 
 
 def update_detokenizer(detokenizer, list new_token_ids not None, stop_terminated,
@@ -121,34 +107,28 @@ def update_detokenizer(detokenizer, list new_token_ids not None, stop_terminated
     past ``min_tokens``, and the tokens after the match dropped and the text
     truncated as vLLM does.  Returns the stop string matched, or None.
 
-    Its attributes are read through the instance dict, all before anything
-    is written: ``token_ids``, ``output_text`` and ``stop``; with stop strings
-    or ``stop_terminated``, ``include_stop_str_in_output``; with stop
-    strings, ``min_tokens`` (where vLLM's method reads them).  TypeError
-    without an instance dict, AttributeError naming a missing one.  An
+    Its attributes are read as attributes (not through ``__dict__``, which
+    would turn the instance's inline values into a dict and slow vLLM's own
+    accesses to them), all before anything is written: ``token_ids``,
+    ``output_text`` and ``stop``; with stop strings or ``stop_terminated``,
+    ``include_stop_str_in_output``; with stop strings, ``min_tokens`` (where
+    vLLM's method reads them).  AttributeError naming a missing one.  An
     exception from ``decode_next`` or ``check_stop_strings`` propagates with
     the detokenizer as vLLM's method leaves it (the token appended, the text
     up to the one before).
     """
     global _detokenizer_calls, _detokenizer_tokens, _detokenizer_stops
-    try:
-        attrs = PyObject_GenericGetDict(detokenizer, NULL)
-    except AttributeError:
-        attrs = None
-    if type(attrs) is not dict:
-        raise TypeError(f"detokenizer must have an instance dict, got "
-                        f"{type(detokenizer).__name__}")
-    token_ids = _attribute(attrs, "token_ids", detokenizer)
-    output_text = _attribute(attrs, "output_text", detokenizer)
-    stop = _attribute(attrs, "stop", detokenizer)
+    token_ids = detokenizer.token_ids
+    output_text = detokenizer.output_text
+    stop = detokenizer.stop
     cdef bint stopping = bool(stop)
     # read where vLLM reads them (but before anything is written)
     cdef bint terminated = bool(stop_terminated)
     include_stop = min_tokens = None
     if terminated or stopping:
-        include_stop = _attribute(attrs, "include_stop_str_in_output", detokenizer)
+        include_stop = detokenizer.include_stop_str_in_output
     if stopping:
-        min_tokens = _attribute(attrs, "min_tokens", detokenizer)
+        min_tokens = detokenizer.min_tokens
     _detokenizer_calls += 1
     cdef Py_ssize_t count = len(new_token_ids)
     if count == 0:
@@ -170,7 +150,7 @@ def update_detokenizer(detokenizer, list new_token_ids not None, stop_terminated
             token_id = new_token_ids[index]
             token_ids.append(token_id)
             piece = detokenizer.decode_next(token_id)
-            _append(attrs, &text, <PyObject*>piece)
+            _append(detokenizer, &text, <PyObject*>piece)
             if token_offsets is not None:
                 token_offsets.append(PyUnicode_GET_LENGTH(text)
                                      if PyUnicode_CheckExact(text) else len(<object>text))
@@ -197,6 +177,6 @@ def update_detokenizer(detokenizer, list new_token_ids not None, stop_terminated
     num_kept = bisect_left(token_offsets, stop_end, lo=1)
     del token_ids[num_prev_tokens + num_kept:]
     if truncate_to != -1:
-        attrs["output_text"] = output_text[:truncate_to]
+        detokenizer.output_text = output_text[:truncate_to]
     _detokenizer_stops += 1
     return stop_string

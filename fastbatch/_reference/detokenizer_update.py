@@ -19,38 +19,26 @@ stats, reset_stats = _counters.stats, _counters.reset_stats
 _stats = _counters.values
 
 
-def _attribute(attrs: dict[str, Any], name: str, detokenizer: Any) -> Any:
-    try:
-        return attrs[name]
-    except KeyError:
-        raise AttributeError(f"{type(detokenizer).__name__} object has no attribute "
-                             f"{name!r}") from None
-
-
 def update_detokenizer(detokenizer: Any, new_token_ids: list[int], stop_terminated: bool,
                        check_stop_strings: Callable[..., tuple[str, int] | None]
                        ) -> str | None:
     """vLLM's ``BaseIncrementalDetokenizer.update`` (0.30.0 to 0.33.0) for a
-    ``FastIncrementalDetokenizer``, its attributes read through the instance
-    dict before anything is written; each token's text appended to the text
-    while the instance dict does not hold it, so that CPython grows the
-    string in place when nothing else holds it either."""
+    ``FastIncrementalDetokenizer``, its attributes read (as attributes, not
+    through ``__dict__``) before anything is written; each token's text
+    appended to the text while the detokenizer does not hold it, so that
+    CPython grows the string in place when nothing else holds it either."""
     if not isinstance(new_token_ids, list):
         raise TypeError(f"new_token_ids must be a list, got {type(new_token_ids).__name__}")
-    attrs = getattr(detokenizer, "__dict__", None)
-    if type(attrs) is not dict:
-        raise TypeError(f"detokenizer must have an instance dict, got "
-                        f"{type(detokenizer).__name__}")
-    token_ids = _attribute(attrs, "token_ids", detokenizer)
-    output_text = _attribute(attrs, "output_text", detokenizer)
-    stop = _attribute(attrs, "stop", detokenizer)
+    token_ids = detokenizer.token_ids
+    output_text = detokenizer.output_text
+    stop = detokenizer.stop
     stopping, terminated = bool(stop), bool(stop_terminated)
     # read where vLLM reads them (but before anything is written)
     include_stop = min_tokens = None
     if terminated or stopping:
-        include_stop = _attribute(attrs, "include_stop_str_in_output", detokenizer)
+        include_stop = detokenizer.include_stop_str_in_output
     if stopping:
-        min_tokens = _attribute(attrs, "min_tokens", detokenizer)
+        min_tokens = detokenizer.min_tokens
     _stats["calls"] += 1
     count = len(new_token_ids)
     if count == 0:
@@ -67,11 +55,11 @@ def update_detokenizer(detokenizer: Any, new_token_ids: list[int], stop_terminat
         token_id = new_token_ids[index]
         token_ids.append(token_id)
         piece = detokenizer.decode_next(token_id)
-        attrs["output_text"] = None  # so that the text can grow in place
+        detokenizer.output_text = None  # so that the text can grow in place
         try:
             output_text += piece
         finally:
-            attrs["output_text"] = output_text
+            detokenizer.output_text = output_text
         if token_offsets is not None:
             token_offsets.append(len(output_text))
         _stats["tokens"] += 1
@@ -94,6 +82,6 @@ def update_detokenizer(detokenizer: Any, new_token_ids: list[int], stop_terminat
     num_kept = bisect_left(token_offsets, stop_end, lo=1)
     del token_ids[num_prev_tokens + num_kept:]
     if truncate_to != -1:
-        attrs["output_text"] = output_text[:truncate_to]
+        detokenizer.output_text = output_text[:truncate_to]
     _stats["stops"] += 1
     return stop_string

@@ -21,7 +21,7 @@ Long outputs (reasoning models, RL rollouts) at high concurrency pay it on
 every step: 1,024 requests 32k tokens into their outputs spend some 45 ms a
 step here (44 us x 1,024); with fastbatch 2.6 us an update at every length.
 
-fastbatch takes the text out of the instance dict for the append, so that
+fastbatch takes the text off the detokenizer for the append, so that
 the string is resized in place when nothing else holds it (a string
 something else holds, a caller's ``RequestOutput`` say, is copied as before:
 a str is never changed under anyone's feet; a text under 1,024 characters
@@ -38,9 +38,12 @@ every token (a local accumulation, or a list of pieces).
 Safety: see ``fastbatch.patches._patch``.  The guard pins the target and
 ``IncrementalDetokenizer.num_output_tokens`` (``len(token_ids)`` for a
 ``FastIncrementalDetokenizer``, read by the compiled call as that).  The
-attributes are read and written through the instance dict, which is what
-attribute access does for them (checked when first used:
-``instance_dict_problem``, and no ``__setattr__`` of the class's own).  The
+attributes it reads and writes are plain instance attributes (checked when
+first used: ``instance_dict_problem``, and no ``__setattr__`` of the class's
+own); it reads and writes them as attributes, never through ``__dict__``,
+which would turn CPython's inline attribute values into a dict and make
+vLLM's own accesses to them slower (measured: 1.5 against 1.7 us an update
+with cold caches).  The
 activation check runs vLLM's method and fastbatch's side by side on
 detokenizers whose ``decode_next`` answers scripted texts (ASCII, empty,
 Latin-1, CJK, emoji and U+FFFD; stop strings kept and not, ``min_tokens``,
@@ -80,8 +83,8 @@ COMPANION_FINGERPRINTS = {
         "c1c630e64248bd26da9c7164360fa1b13b2fd555e3f91c036001a4fbd150a91b":
             "vLLM 0.32.0-0.33.0"},
 }
-# What the compiled call reads through the instance dict (and writes:
-# token_ids in place, output_text).
+# The attributes the compiled call reads (and writes: token_ids in place,
+# output_text).
 STATE = ("token_ids", "output_text", "stop", "min_tokens", "include_stop_str_in_output")
 
 
