@@ -372,7 +372,9 @@ def main() -> None:
     parser.add_argument("--cpu-time", action="store_true",
                         help="timers read the engine thread's CPU time (time.thread_time), "
                              "not wall time: waiting for a core on a busy machine is not "
-                             "counted")
+                             "counted; reading that clock is a system call (about 1.4-1.7 us "
+                             "a timer on this project's machine, against 0.17 for wall "
+                             "time), so use it with --coarse")
     args = parser.parse_args()
     if args.max_tokens is None:
         max_tokens = [128 if c <= 256 else 64 for c in args.concurrency]
