@@ -102,7 +102,7 @@ def main() -> None:
     piece = registry.piece("detokenizer_update")
     if not piece.apply():
         sys.exit("fastbatch's detokenizer_update could not be applied to this vLLM")
-    sides = {"stock": piece.main.original(), "fastbatch": detokenizer_update._update}
+    sides = {"stock": piece.main.original(), "fastbatch": detokenizer_update.update}
     tokenizer, ids = tokenizer_and_ids(args.vocab, max(args.lengths) + 2 * args.timed + 1000)
     results = []
     for length in args.lengths:

@@ -18,6 +18,7 @@ run where vLLM is not installed.
 
 import bisect
 import functools
+import inspect
 import logging
 import sys
 
@@ -261,6 +262,65 @@ def test_bad_input_raises_before_any_change(implementation, name, detokenizer, n
     assert before.get("asked", []) == []
 
 
+# --- update: the method as installed (bind) ---------------------------------
+
+def vllm_update_signature(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
+    """vLLM 0.33.0's ``BaseIncrementalDetokenizer.update`` signature."""
+
+
+def recording_stock(calls):
+    def stock(self, new_token_ids, stop_terminated):
+        calls.append((self, new_token_ids, stop_terminated))
+        return "stock"
+    return stock
+
+
+def test_update_has_vllms_signature(implementation):
+    def shape(function):
+        return [(p.name, p.kind, p.default)
+                for p in inspect.signature(function).parameters.values()]
+
+    assert shape(implementation.PIECES[NAME].update) == shape(vllm_update_signature)
+
+
+def test_update_takes_only_the_bound_type_and_a_list(implementation):
+    """The bound type with ids in a list: the compiled call, with the bound
+    namespace's check_stop_strings read at the call; anything else (a
+    subclass, a tuple of ids): the bound stock method, with the arguments
+    as they came."""
+    piece, calls = implementation.PIECES[NAME], []
+    namespace = {"check_stop_strings": check_stop_strings}
+    piece.bind(recording_stock(calls), Detokenizer, namespace)
+
+    class Subclass(Detokenizer):
+        pass
+
+    ours, expected = Detokenizer(stop=["STOP"]), Detokenizer(stop=["STOP"])
+    assert piece.update(ours, [1, 9, 10, 2], False) == vllm_update(expected, [1, 9, 10, 2],
+                                                                   False) == "STOP"
+    assert state(ours) == state(expected) and calls == []
+    namespace["check_stop_strings"] = lambda **kwargs: None  # read at every call
+    assert piece.update(Detokenizer(stop=["STOP"]), [9, 10], False) is None
+    other, ids = Subclass(), (1, 2)
+    assert piece.update(other, [1], True) == piece.update(ours, ids, False) == "stock"
+    assert calls == [(other, [1], True), (ours, ids, False)]
+    assert other.token_ids == [] and ours.token_ids == [1, 9, 10]
+
+
+def test_bind_refuses_bad_input_and_keeps_the_binding(implementation):
+    piece, calls = implementation.PIECES[NAME], []
+    namespace = {"check_stop_strings": check_stop_strings}
+    piece.bind(recording_stock(calls), Detokenizer, namespace)
+    for args, message in (((None, Detokenizer, namespace), "stock must be callable"),
+                          ((print, Detokenizer(), namespace), "taken must be a type"),
+                          ((print, Detokenizer, list(namespace.items())),
+                           "namespace must be a dict")):
+        with pytest.raises(TypeError, match=message):
+            piece.bind(*args)
+    assert piece.update(object(), [1], False) == "stock" and len(calls) == 1
+    assert piece.update(Detokenizer(), [1], False) is None and len(calls) == 1
+
+
 # --- references and memory ---------------------------------------------------
 
 def test_no_leak_on_success_or_error():
@@ -277,10 +337,25 @@ def test_no_leak_on_success_or_error():
             kernel.update_detokenizer(detokenizers[0], [1, 99], False, check_stop_strings)
         del detokenizers[0].token_ids[:], detokenizers[0].asked[:]
         detokenizers[0].output_text = ""
+        # the method as installed: the compiled call, vLLM's method, an error
+        assert method(detokenizers[1], [1, 9, 10], False) == "STOP"
+        assert method(detokenizers[1], (1,), False) == "stock"
+        with pytest.raises(ValueError):
+            method(detokenizers[2], [99], False)
+        for detokenizer in detokenizers[1:3]:
+            del detokenizer.token_ids[:], detokenizer.asked[:]
+            detokenizer.output_text = ""
 
+    def stock(self, new_token_ids, stop_terminated):
+        return "stock"
+
+    namespace = {"check_stop_strings": check_stop_strings}
+    kernel.PIECES[NAME].bind(stock, Detokenizer, namespace)
+    method = kernel.PIECES[NAME].update
     for _ in range(100):
         step()
-    assert_no_leak(step, [*detokenizers, *ids, check_stop_strings], 2000)
+    assert_no_leak(step, [*detokenizers, *ids, check_stop_strings, stock, namespace,
+                          Detokenizer], 2000)
 
 
 # --- against the real vLLM 0.33.0 method ---------------------------------------
@@ -343,6 +418,14 @@ def real_detokenizer(params, prompt):
     return detokenizer
 
 
+def bind_to_vllm(piece):
+    """``piece.update`` bound as the patch binds it: vLLM's method, its
+    ``FastIncrementalDetokenizer`` and its module's namespace."""
+    from vllm.v1.engine import detokenizer
+
+    piece.bind(vllm_method(), detokenizer.FastIncrementalDetokenizer, vars(detokenizer))
+
+
 def real_state(detokenizer):
     return {name: getattr(detokenizer, name) for name in (*patch.STATE, "stop_buffer_length")}
 
@@ -378,19 +461,15 @@ def test_matches_the_real_method(kernel, script):
     note(repr(script))
     params, prompt, updates = script
     stock, ours = real_detokenizer(params, prompt), real_detokenizer(params, prompt)
-    module = fastbatch._kernels if kernel == "compiled" else _reference
-    original = fastbatch.update_detokenizer
-    fastbatch.update_detokenizer = module.update_detokenizer
-    try:
-        for new_token_ids, stop_terminated in updates:
-            expected = vllm_method()(stock, list(new_token_ids), stop_terminated)
-            got = patch._update(ours, list(new_token_ids), stop_terminated)
-            assert got == expected
-            assert real_state(ours) == real_state(stock)
-            if expected is not None:
-                break  # vLLM's output processor stops a request here
-    finally:
-        fastbatch.update_detokenizer = original
+    piece = (fastbatch._kernels if kernel == "compiled" else _reference).PIECES[NAME]
+    bind_to_vllm(piece)
+    for new_token_ids, stop_terminated in updates:
+        expected = vllm_method()(stock, list(new_token_ids), stop_terminated)
+        got = piece.update(ours, list(new_token_ids), stop_terminated)
+        assert got == expected
+        assert real_state(ours) == real_state(stock)
+        if expected is not None:
+            break  # vLLM's output processor stops a request here
 
 
 @pytest.mark.vllm
@@ -400,10 +479,11 @@ def test_a_long_output_is_stock():
     and then (a streaming RequestOutput): vLLM's text and ids."""
     ids = tokenizer().encode("".join(TRAINING) * 5, add_special_tokens=False)[:4000]
     stock, ours = real_detokenizer({}, [1]), real_detokenizer({}, [1])
+    assert patch.bind() is None
     held = []
     for step, token_id in enumerate(ids):
         vllm_method()(stock, [token_id], False)
-        patch._update(ours, [token_id], False)
+        patch.update(ours, [token_id], False)
         if step % 500 == 0:
             held.append((ours.output_text, stock.output_text))
     assert real_state(ours) == real_state(stock)
@@ -422,12 +502,13 @@ def test_other_detokenizers_run_vllms_method():
         def decode_next(self, next_token_id):
             return super().decode_next(next_token_id).upper()
 
+    assert patch.bind() is None
     fastbatch.reset_stats()
     shouting = real_detokenizer({}, [1])
     shouting.__class__ = Shouting
-    patch._update(shouting, [65, 66], False)
+    patch.update(shouting, [65, 66], False)
     plain = real_detokenizer({}, [1])
-    patch._update(plain, (65, 66), False)
+    patch.update(plain, (65, 66), False)
     assert shouting.output_text == plain.output_text.upper() != ""
     assert fastbatch.stats()[NAME]["calls"] == 0
 
@@ -442,8 +523,8 @@ def test_guard_accepts_the_installed_vllm():
 
     assert PIECE.main.check_target(vllm.__version__, vllm_method()) is None
     assert PIECE.apply() is True
-    assert BaseIncrementalDetokenizer.update is patch._update
-    assert FastIncrementalDetokenizer.update is patch._update
+    assert BaseIncrementalDetokenizer.update is patch.update  # the compiled function itself
+    assert FastIncrementalDetokenizer.update is patch.update
     assert PIECE.main.original() is vllm_method()
 
 
@@ -462,11 +543,8 @@ def test_guard_refuses_a_changed_method(monkeypatch, logs):
     assert PIECE.main.target in warning and "not a verified variant" in warning
 
 
-REAL_KERNEL = fastbatch.update_detokenizer
-
-
-def kernel_wrong_at_the_stop(detokenizer, new_token_ids, stop_terminated, check):
-    result = REAL_KERNEL(detokenizer, new_token_ids, stop_terminated, check)
+def wrong_at_the_stop(detokenizer, new_token_ids, stop_terminated):
+    result = patch.update(detokenizer, new_token_ids, stop_terminated)
     if result is not None:
         detokenizer.token_ids.append(0)  # the token after the match kept
     return result
@@ -481,12 +559,33 @@ def test_activation_check_refuses_a_wrong_kernel(monkeypatch, logs, broken):
     def raises(*args):
         raise ValueError("boom")
 
-    wrong = {"raises": raises, "stop": kernel_wrong_at_the_stop}[broken]
-    monkeypatch.setattr(fastbatch, "update_detokenizer", wrong)
+    wrong = {"raises": raises, "stop": wrong_at_the_stop}[broken]
+    monkeypatch.setattr(PIECE.main, "replacement", wrong)
     assert PIECE.apply() is False
     assert BaseIncrementalDetokenizer.update is vllm_method()
     (error,) = logs.at(logging.ERROR)
     assert "activation check failed" in error and PIECE.main.target in error
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+@pytest.mark.parametrize(("attribute", "why"), [
+    ("__setattr__", "has its own __setattr__"),
+    ("num_output_tokens", "overrides num_output_tokens"),
+    ("token_ids", "class attributes ['token_ids'] would be bypassed")])
+def test_a_class_the_compiled_call_cannot_take_stays_stock(monkeypatch, logs, attribute, why):
+    from vllm.v1.engine.detokenizer import BaseIncrementalDetokenizer, FastIncrementalDetokenizer
+
+    def own_setattr(self, name, value):
+        object.__setattr__(self, name, value)
+
+    value = {"__setattr__": own_setattr, "num_output_tokens": len,
+             "token_ids": property(len)}[attribute]
+    monkeypatch.setattr(FastIncrementalDetokenizer, attribute, value, raising=False)
+    assert PIECE.apply() is False
+    assert BaseIncrementalDetokenizer.update is vllm_method()
+    (error,) = logs.at(logging.ERROR)
+    assert "activation check failed" in error and why in error
 
 
 @pytest.mark.vllm
@@ -518,10 +617,10 @@ def test_patched_method_counts_its_work():
 
 # --- FASTBATCH_VERIFY: the shadow check -----------------------------------------
 
-def kernel_wrong_for_long_updates(detokenizer, new_token_ids, stop_terminated, check):
-    """The real kernel, then the last token dropped, for updates of five or
+def wrong_for_long_updates(detokenizer, new_token_ids, stop_terminated):
+    """The real method, then the last token dropped, for updates of five or
     more tokens (the activation check's have at most four)."""
-    result = REAL_KERNEL(detokenizer, new_token_ids, stop_terminated, check)
+    result = patch.update(detokenizer, new_token_ids, stop_terminated)
     if len(new_token_ids) >= 5:
         detokenizer.token_ids.pop()
     return result
@@ -551,7 +650,7 @@ def test_verify_finds_no_divergence_on_real_updates(script, checked_method):
 def test_verify_catches_a_bug_the_activation_check_cannot_see(verify_dir, monkeypatch, logs,
                                                               checked_method):
     method = checked_method()  # the activation check passed with the real kernel
-    monkeypatch.setattr(fastbatch, "update_detokenizer", kernel_wrong_for_long_updates)
+    monkeypatch.setattr(PIECE.main, "replacement", wrong_for_long_updates)
     ids = tokenizer().encode("Hello world, caf\u00e9 \U0001f600 done", add_special_tokens=False)
     assert len(ids) >= 6
     stock, ours = real_detokenizer({}, [1]), real_detokenizer({}, [1])
@@ -573,11 +672,11 @@ def test_verify_catches_a_bug_the_activation_check_cannot_see(verify_dir, monkey
     (path,) = verify_dir.iterdir()
     assert path.name.startswith(f"{NAME}-") and str(path) in error
     assert vllm_plugin.replay(str(path)) is not None
-    monkeypatch.setattr(fastbatch, "update_detokenizer", REAL_KERNEL)
+    monkeypatch.setattr(PIECE.main, "replacement", patch.update)
     assert vllm_plugin.replay(str(path)) is None
 
     # From now on the piece runs vLLM's code: the kernel is not called again.
-    monkeypatch.setattr(fastbatch, "update_detokenizer", kernel_wrong_for_long_updates)
+    monkeypatch.setattr(PIECE.main, "replacement", wrong_for_long_updates)
     fastbatch.reset_stats()
     vllm_method()(stock, ids[:6], False)
     method(ours, ids[:6], False)

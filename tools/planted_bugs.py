@@ -2,8 +2,9 @@
 end-to-end test (tools/vllm_generate.py ``--plant-bugs``; tests only).
 
 Each bug wraps the piece's compiled function (``fastbatch.<function>``, which
-the patch calls at run time; ``allocate_slots``, whose compiled function is
-itself the installed method, through its patch's ``replacement``) so that it
+the patch calls at run time; ``allocate_slots`` and ``detokenizer_update``,
+whose compiled functions are themselves the installed methods, through their
+patches' ``replacement``, which the shadow check calls) so that it
 goes wrong only where the piece's activation check never looks: batches of
 more than ``BIG_BATCH`` requests (``SMALL_SPEC_BATCH`` for the spec pieces),
 token ids of at least ``BIG_ID``, requests past ``LATE_TOKENS`` tokens (or
@@ -139,11 +140,20 @@ def _late_cumulative_logprob_off(result, processor, *rest):
         processor.cumulative_logprob += 1.0
 
 
-def _late_text_off(result, detokenizer, *rest):
+def _late_text_off() -> None:
     """A character too many in a request's text once it has more than
     ``LATE_TOKENS`` tokens (the activation check's have at most 15)."""
-    if len(detokenizer.token_ids) > LATE_TOKENS:
-        detokenizer.output_text += "!"
+    from fastbatch.patches.detokenizer_update import PATCH
+
+    real = PATCH.replacement
+
+    def planted(self, new_token_ids, stop_terminated):
+        result = real(self, new_token_ids, stop_terminated)
+        if len(self.token_ids) > LATE_TOKENS:
+            self.output_text += "!"
+        return result
+
+    PATCH.replacement = planted
 
 
 def _allocate_slots_refuses_late_decodes() -> None:
@@ -178,7 +188,7 @@ BUGS: dict[str, Callable[[], None]] = {
     "schedule_running": lambda: _wrap("schedule_running_requests", _budget_token_short),
     "update_sample_logprobs": lambda: _wrap("update_sample_logprobs",
                                             _late_cumulative_logprob_off),
-    "detokenizer_update": lambda: _wrap("update_detokenizer", _late_text_off),
+    "detokenizer_update": _late_text_off,
 }
 
 

@@ -3,6 +3,9 @@ from typing import Any
 
 __all__ = ["update_detokenizer"]
 
+def bind(stock: Callable[..., str | None], taken: type, namespace: dict[str, Any]) -> None: ...
+def update(self: Any, new_token_ids: list[int], stop_terminated: bool) -> str | None: ...
+
 def update_detokenizer(
     detokenizer: Any,
     new_token_ids: list[int],

@@ -7,6 +7,11 @@ vLLM's order.  Each token's text is appended to ``output_text`` in place when
 nothing else holds the string and it is long enough for that to beat a copy,
 as CPython's own ``text += piece`` does for a local variable (vLLM's
 ``self.output_text += ...`` copies the whole text for every token).
+``update`` is the method itself, bound on vLLM's class by the patch (a
+Cython function binds like a Python one: ``binding`` is on, Cython 3's
+default), with vLLM's signature: the compiled call for the detokenizers it
+takes, vLLM's method (``bind``) for the rest, with no Python frame between
+the output processor and the compiled loop.
 ``fastbatch._reference`` holds the same behaviour in plain Python.
 """
 
@@ -95,6 +100,44 @@ cdef int _append(object detokenizer, PyObject** text, PyObject* piece) except -1
     return 0
 
 
+# Set by bind(): vLLM's own method, the detokenizer type the compiled call
+# takes, and the namespace vLLM's check_stop_strings is read from.
+cdef object _stock = None
+cdef object _taken = None
+cdef dict _namespace = None
+
+
+def bind(stock, taken, namespace):
+    """Make ``update`` answer for this vLLM: ``stock`` is vLLM's own
+    ``BaseIncrementalDetokenizer.update`` (it answers every call the compiled
+    one does not take), ``taken`` the detokenizer type the compiled call takes
+    (vLLM's ``FastIncrementalDetokenizer``), ``namespace`` the globals of
+    vLLM's module, from which ``check_stop_strings`` is read at every call
+    (as vLLM's method reads its global)."""
+    global _stock, _taken, _namespace
+    if not callable(stock):
+        raise TypeError(f"stock must be callable, got {type(stock).__name__}")
+    if not isinstance(taken, type):
+        raise TypeError(f"taken must be a type, got {type(taken).__name__}")
+    if type(namespace) is not dict:
+        raise TypeError(f"namespace must be a dict, got {type(namespace).__name__}")
+    _stock, _taken, _namespace = stock, taken, namespace
+
+
+def update(self, new_token_ids, stop_terminated):
+    """fastbatch's ``BaseIncrementalDetokenizer.update`` (vLLM's signature):
+    ``update_detokenizer`` with vLLM's ``check_stop_strings`` for a
+    detokenizer of exactly the type taken and ids in a list; vLLM's method
+    (``bind``) with the same arguments for every other call."""
+    if _stock is None:
+        raise RuntimeError("fastbatch's detokenizer update is not bound to vLLM's method "
+                           "(fastbatch.patches.detokenizer_update.bind() does it)")
+    if type(self) is _taken and type(new_token_ids) is list:
+        return _update(self, <list>new_token_ids, stop_terminated,
+                       _namespace["check_stop_strings"])
+    return _stock(self, new_token_ids, stop_terminated)
+
+
 def update_detokenizer(detokenizer, list new_token_ids not None, stop_terminated,
                        check_stop_strings):
     """vLLM's ``BaseIncrementalDetokenizer.update(new_token_ids,
@@ -117,6 +160,12 @@ def update_detokenizer(detokenizer, list new_token_ids not None, stop_terminated
     the detokenizer as vLLM's method leaves it (the token appended, the text
     up to the one before).
     """
+    return _update(detokenizer, new_token_ids, stop_terminated, check_stop_strings)
+
+
+cdef object _update(object detokenizer, list new_token_ids, object stop_terminated,
+                    object check_stop_strings):
+    """``update_detokenizer``'s work (``new_token_ids`` a list)."""
     global _detokenizer_calls, _detokenizer_tokens, _detokenizer_stops
     token_ids = detokenizer.token_ids
     output_text = detokenizer.output_text

@@ -19,6 +19,42 @@ stats, reset_stats = _counters.stats, _counters.reset_stats
 _stats = _counters.values
 
 
+# Set by bind(): vLLM's own method, the detokenizer type taken, and the
+# namespace vLLM's check_stop_strings is read from.
+_BOUND: tuple[Callable[..., str | None], type, dict[str, Any]] | None = None
+
+
+def bind(stock: Callable[..., str | None], taken: type, namespace: dict[str, Any]) -> None:
+    """Make ``update`` answer for this vLLM: ``stock`` is vLLM's own
+    ``BaseIncrementalDetokenizer.update`` (it answers every call
+    ``update_detokenizer`` does not take), ``taken`` the detokenizer type
+    ``update_detokenizer`` takes, ``namespace`` the globals of vLLM's module,
+    from which ``check_stop_strings`` is read at every call."""
+    global _BOUND
+    if not callable(stock):
+        raise TypeError(f"stock must be callable, got {type(stock).__name__}")
+    if not isinstance(taken, type):
+        raise TypeError(f"taken must be a type, got {type(taken).__name__}")
+    if type(namespace) is not dict:
+        raise TypeError(f"namespace must be a dict, got {type(namespace).__name__}")
+    _BOUND = (stock, taken, namespace)
+
+
+def update(self: Any, new_token_ids: list[int], stop_terminated: bool) -> str | None:
+    """fastbatch's ``BaseIncrementalDetokenizer.update`` (vLLM's signature):
+    ``update_detokenizer`` with vLLM's ``check_stop_strings`` for a
+    detokenizer of exactly the type taken and ids in a list; vLLM's method
+    (``bind``) with the same arguments for every other call."""
+    if _BOUND is None:
+        raise RuntimeError("fastbatch's detokenizer update is not bound to vLLM's method "
+                           "(fastbatch.patches.detokenizer_update.bind() does it)")
+    stock, taken, namespace = _BOUND
+    if type(self) is taken and type(new_token_ids) is list:
+        return update_detokenizer(self, new_token_ids, stop_terminated,
+                                  namespace["check_stop_strings"])
+    return stock(self, new_token_ids, stop_terminated)
+
+
 def update_detokenizer(detokenizer: Any, new_token_ids: list[int], stop_terminated: bool,
                        check_stop_strings: Callable[..., tuple[str, int] | None]
                        ) -> str | None:
