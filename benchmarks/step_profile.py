@@ -50,7 +50,11 @@ draft model's forward passes (spec only); "scheduler" = ``schedule`` +
 one timer (it lands in the callers' rows). Runs alternate stock / fastbatch;
 outputs (token ids, and where asked for the logprobs: per position each
 entry's token id, logprob, rank and decoded token, and each output's
-cumulative logprob) must be identical. Writes OUT/step_profile.json and
+cumulative logprob) must be identical. ``--disable PIECE ...``: the fastbatch
+runs leave those pieces stock (``FASTBATCH_DISABLE``, passed to the runs
+themselves: the runs start from a clean environment, so a FASTBATCH_*
+variable of the calling shell never reaches them), for an A/B of one piece
+in the engine. Writes OUT/step_profile.json and
 OUT/step_profile.md, and prints the markdown, the summary last.
 
 benchmarks/engine.py (``tox -e bench``) reuses this script's runs for its
@@ -67,6 +71,8 @@ import tempfile
 from pathlib import Path
 
 from e2e import DEFAULT_VOCAB, TOOLS, engine_arguments, make_tiny_model, run_vllm
+
+from fastbatch import registry
 
 sys.path.insert(0, str(TOOLS))
 from function_timers import (
@@ -317,12 +323,14 @@ def markdown_summary(results: list[dict]) -> list[str]:
 
 
 def measure(configs: list[tuple], runs_each: int, coarse: bool,
-            cpu_time: bool = False) -> list[dict]:
+            cpu_time: bool = False, disable: tuple[str, ...] = ()) -> list[dict]:
     """For each (workload, concurrency, max_tokens[, vocab]): ``runs_each``
     runs each way, alternating stock / fastbatch, each a fresh process on the
     tiny model with a vocabulary of ``vocab`` tokens (default 512; one model
     per vocabulary, made once) (``cpu_time``: timers on the thread's CPU time,
-    not wall time); ``summarise``'s result (it exits if outputs differ)."""
+    not wall time; ``disable``: the pieces the fastbatch runs leave stock, through
+    their own FASTBATCH_DISABLE); ``summarise``'s result (it exits if outputs
+    differ)."""
     total = len(configs) * runs_each * 2
     results = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -340,8 +348,11 @@ def measure(configs: list[tuple], runs_each: int, coarse: bool,
             for _ in range(runs_each):
                 for variant in runs:
                     done += 1
-                    report = run_vllm(model, variant == "fastbatch", arguments,
-                                      Path(scratch) / f"run-{done}.json")
+                    ours = variant == "fastbatch"
+                    report = run_vllm(model, ours, arguments,
+                                      Path(scratch) / f"run-{done}.json",
+                                      switches={"FASTBATCH_DISABLE": ",".join(disable)}
+                                      if ours and disable else None)
                     runs[variant].append(report)
                     print(f"[{done}/{total}] {name} at {concurrency}, vocabulary {vocab}, "
                           f"{variant}: "
@@ -375,6 +386,10 @@ def main() -> None:
                              "counted; reading that clock is a system call (about 1.4-1.7 us "
                              "a timer on this project's machine, against 0.17 for wall "
                              "time), so use it with --coarse")
+    parser.add_argument("--disable", nargs="+", default=[], choices=registry.NAMES,
+                        metavar="PIECE",
+                        help="pieces the fastbatch runs leave stock (their FASTBATCH_DISABLE; "
+                             "FASTBATCH_* variables of this shell do not reach the runs)")
     args = parser.parse_args()
     if args.max_tokens is None:
         max_tokens = [128 if c <= 256 else 64 for c in args.concurrency]
@@ -388,12 +403,12 @@ def main() -> None:
 
     configs = [(name, concurrency, tokens, args.vocab) for concurrency, tokens
                in zip(args.concurrency, max_tokens, strict=True) for name in args.workloads]
-    results = measure(configs, args.runs, args.coarse, args.cpu_time)
+    results = measure(configs, args.runs, args.coarse, args.cpu_time, tuple(args.disable))
 
     settings = {"workloads": args.workloads, "concurrency": args.concurrency,
                 "max_tokens": max_tokens, "runs": args.runs, "vocab": args.vocab,
                 "num_speculative_tokens": NUM_SPECULATIVE_TOKENS, "coarse": args.coarse,
-                "cpu_time": args.cpu_time}
+                "cpu_time": args.cpu_time, "disable": args.disable}
     timed = {label: where for label, where in {**STEP_FUNCTIONS, **INSTANCE_STEP_FUNCTIONS}.items()
              if not (args.coarse and label in PER_REQUEST_FUNCTIONS)}
     (args.out / "step_profile.json").write_text(json.dumps(
@@ -406,8 +421,10 @@ def main() -> None:
              "are of the timed generate, timers on"
              + (" (--coarse: none on the functions called once per request)"
                 if args.coarse else "")
-             + ("; times are the engine thread's CPU time (--cpu-time)." if args.cpu_time
-                else "."), ""]
+             + ("; times are the engine thread's CPU time (--cpu-time)" if args.cpu_time
+                else "")
+             + (f"; fastbatch runs with FASTBATCH_DISABLE={','.join(args.disable)}"
+                if args.disable else "") + ".", ""]
     for result in results:
         lines += markdown_config(result)
     lines += markdown_summary(results)

@@ -6,7 +6,8 @@ spec-decode workload with a repetition penalty (the one that reaches the most
 functions: the rejection sampler, penalties, the draft model, the spec-token
 update), 8 requests x 8 tokens.  The numbers are not checked, only that every
 function of the table exists in this vLLM, that the step's functions were
-timed, and that the outputs were identical; and the same of the
+timed, and that the outputs were identical (the coarse run with
+``--disable``: that piece stock, the others on); and the same of the
 structured-outputs workload.  The demonstration runs its
 logprobs workload (the one whose outputs have the most to compare: token ids
 and logprobs) once each way, 8 requests x 16 tokens, and its JSON is checked.
@@ -41,7 +42,8 @@ def test_step_profile_runs_and_outputs_match(tmp_path, coarse):
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / "step_profile.py"), "--workloads", "spec-repetition",
          "--concurrency", "8", "--max-tokens", "8", "--runs", "1", "--out", str(tmp_path),
-         *(["--coarse"] if coarse else [])],
+         # the coarse run also leaves a piece stock, as an A/B of it would
+         *(["--coarse", "--disable", "detokenizer_update"] if coarse else [])],
         capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-5000:]
 
@@ -67,9 +69,12 @@ def test_step_profile_runs_and_outputs_match(tmp_path, coarse):
         assert rows["runner's own CPU"]["us_per_step"] > 0
         assert rows["scheduler"]["us_per_step"] > 0
     assert not any(config["stock"]["patches"].values())
-    assert all(config["fastbatch"]["patches"].values())
+    disabled = {"detokenizer_update"} if coarse else set()
+    assert {name for name, on in config["fastbatch"]["patches"].items() if not on} == disabled
+    assert profile["settings"]["disable"] == sorted(disabled)
 
     markdown = (tmp_path / "step_profile.md").read_text()
+    assert ("FASTBATCH_DISABLE=detokenizer_update" in markdown) is coarse
     assert "### spec-repetition at 8 concurrent requests" in markdown
     assert result.stdout.rstrip().endswith("step_profile.md")
     assert "## Summary" in result.stdout.split("### spec-repetition")[-1]
