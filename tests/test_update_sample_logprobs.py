@@ -278,6 +278,35 @@ def test_the_compiled_logprobs_are_left_to_the_collector_untracked():
     assert all(gc.is_tracked(logprob) for entry in stock.logprobs for logprob in entry.values())
 
 
+def test_a_sampled_token_among_the_top_ones_gets_one_logprob():
+    """With greedy sampling the sampled id is also the top one: vLLM makes a
+    ``Logprob`` for each column, and its dict keeps the sampled token's place
+    with the later column's; the compiled call makes only that one."""
+    made = []
+
+    @dataclasses.dataclass
+    class Counted(Logprob):
+        def __post_init__(self):
+            made.append(self)
+
+    lists = (np.array([[66, 65, 66], [67, 67, 68], [69, 70, 71]], dtype=np.int32),
+             np.array([[-1.0, -0.5, -1.0], [-0.25, -0.25, -3.0], [-4.0, -0.5, -1.5]],
+                      dtype=np.float32), np.array([2, 1, 9]), None)
+    processor = VllmProcessor(TEXTS, False, 2)
+    fastbatch._kernels.update_sample_logprobs(processor, lists, {}, convert, (Counted, Flat))
+    assert [[(token, dataclasses.astuple(logprob)) for token, logprob in entry.items()]
+            for entry in processor.logprobs] == [
+        [(66, (-1.0, 2, "B")), (65, (-0.5, 1, "A"))],
+        [(67, (-0.25, 1, "C")), (68, (-3.0, 2, "D"))],
+        [(69, (-4.0, 9, "E")), (70, (-0.5, 1, "F")), (71, (-1.5, 2, "G"))]]
+    assert len(made) == 7  # vLLM's: 9
+    stock = VllmProcessor(TEXTS, False, 2)
+    stock.vllm_update(lists)
+    ours = VllmProcessor(TEXTS, False, 2)
+    fastbatch._kernels.update_sample_logprobs(ours, lists, {}, convert, KINDS)
+    assert outcome(ours) == outcome(stock)
+
+
 def test_flat_container_and_every_logprob(implementation):
     processor = VllmProcessor(None, True, -1, cumulative=-1.5)
     lists = (np.array([[7, 8, 9]], dtype=np.int32),

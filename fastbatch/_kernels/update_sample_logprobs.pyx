@@ -197,6 +197,18 @@ cdef inline double _float_at(const Array* array, Py_ssize_t row, Py_ssize_t col)
     return large
 
 
+cdef inline bint _sampled_again(const Array* token_ids, Py_ssize_t p, Py_ssize_t kept) noexcept:
+    """Whether the sampled id of position ``p`` is also one of its top ids
+    (always, with greedy sampling): vLLM's dict then keeps the sampled
+    token's place and a later column's ``Logprob``."""
+    cdef int64_t sampled = _int_at(token_ids, p, 0)
+    cdef Py_ssize_t c
+    for c in range(1, kept):
+        if _int_at(token_ids, p, c) == sampled:
+            return True
+    return False
+
+
 cdef inline object _token(PyObject** table, int64_t value):
     """The int ``value`` (a shared token-id object, see ``token_object``)."""
     cdef PyObject* item = token_object(table, value)
@@ -318,7 +330,7 @@ def update_sample_logprobs(processor, logprobs_lists, dict texts not None, conve
     cdef Array token_ids, logprobs, ranks
     cdef bint held_ids = False, held_logprobs = False, held_ranks = False
     cdef Py_ssize_t num_positions, kept, num_ranks, p, c
-    cdef bint leaves
+    cdef bint leaves = True, placed = False
     cdef double total
     cdef PyObject** table = token_table()
     cdef list decoded
@@ -365,8 +377,14 @@ def update_sample_logprobs(processor, logprobs_lists, dict texts not None, conve
             else:
                 entry = {}
                 leaves = True
+                placed = _sampled_again(&token_ids, p, kept)
             for c in range(kept):
                 token = _token(table, _int_at(&token_ids, p, c))
+                if c == 0 and placed:
+                    # Its place in the dict; the value is a later column's,
+                    # as in vLLM's, whose Logprob of this column is replaced.
+                    PyDict_SetItem(entry, token, None)
+                    continue
                 value = _float_at(&logprobs, p, c)
                 text = <object>PyList_GET_ITEM(decoded, p * kept + c)
                 if flat:
