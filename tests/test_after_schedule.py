@@ -153,6 +153,8 @@ def _scheduler(cls, rows, defer, use_v2, odd):
         del scheduler.requests["r0"]
     elif rows and odd == "wrong_id":
         scheduler.requests["r0"].request_id = "other"
+    elif rows and odd == "no_attribute":  # read through the instance dict: not there
+        del scheduler.requests[f"r{len(rows) - 1}"].structured_output_request
     elif odd == "flag_int":
         output.has_structured_output_requests = 0
     elif rows and odd == "spec_tuple":
@@ -215,7 +217,7 @@ def test_bad_input(implementation):
     with pytest.raises(AttributeError):
         implementation.update_after_schedule(object(), output, None, Request)
     assert patch.scheduler_state(scheduler, output) == before
-    for odd in ("float_count", "missing", "wrong_id", "subclass", "flag_int"):
+    for odd in ("float_count", "missing", "wrong_id", "no_attribute", "subclass", "flag_int"):
         scheduler, output = _scheduler(AsyncScheduler, _ROWS, False, False, odd)
         before = patch.scheduler_state(scheduler, output)
         assert implementation.update_after_schedule(scheduler, output, [-1], Request) is False
@@ -276,6 +278,24 @@ def test_activation_check_passes_and_refuses_a_wrong_kernel(monkeypatch):
     monkeypatch.setattr(fastbatch, "update_after_schedule", drops_placeholder_sharing)
     assert "fastbatch left" in patch.async_activation_check(
         ASYNC_STOCK, patch._update_after_schedule_async)
+
+
+@pytest.mark.parametrize("attribute", ["num_computed_tokens", "spec_token_ids"])
+def test_activation_check_refuses_an_attribute_the_instance_dict_would_bypass(monkeypatch,
+                                                                              attribute):
+    # The compiled call reads and writes a request's attributes through its
+    # instance dict: a property of that name on Request would be bypassed.
+    def get(request):
+        return request.__dict__["_kept"]
+
+    def set_(request, value):
+        request.__dict__["_kept"] = value
+
+    monkeypatch.setattr(Request, attribute, property(get, set_), raising=False)
+    for check, stock, replacement in (
+            (patch.activation_check, STOCK, patch._update_after_schedule),
+            (patch.async_activation_check, ASYNC_STOCK, patch._update_after_schedule_async)):
+        assert f"['{attribute}'] would be bypassed" in check(stock, replacement)
 
 
 def test_plugin_applies_and_reverts(monkeypatch):

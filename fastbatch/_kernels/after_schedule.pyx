@@ -6,7 +6,10 @@ The same effects, checks and counters as ``fastbatch._reference.after_schedule``
 (see its module note): a first pass checks the whole batch and collects the
 requests, the second applies both loops' effects per request.  The ints are
 added as Python ints (exact at any size); the flags are set once, after the
-pass, to the value vLLM's ``|=`` leaves.
+pass, to the value vLLM's ``|=`` leaves.  A request's attributes are read and
+written through its instance dict (the patch's activation check confirms
+that each is a plain instance attribute of vLLM's ``Request``), which spares
+each access the type's attribute lookup.
 """
 
 __all__ = ["update_after_schedule"]
@@ -56,20 +59,24 @@ cdef list _plain_batch(object scheduler, object scheduler_output, bint is_async,
         if type(req_id) is not str:
             return None
         request = (<dict>requests).get(req_id)
-        if (type(request) is not request_type or type(num_tokens) is not int
-                or type(request.num_computed_tokens) is not int
-                or type(request.num_in_flight_tokens) is not int
-                or type(request.num_output_placeholders) is not int
-                or type(request._all_token_ids) is not list):
+        if type(request) is not request_type or type(num_tokens) is not int:
             return None
-        request_id = request.request_id
+        attrs = request.__dict__
+        if (type(attrs) is not dict
+                or type((<dict>attrs).get("num_computed_tokens")) is not int
+                or type((<dict>attrs).get("num_in_flight_tokens")) is not int
+                or type((<dict>attrs).get("num_output_placeholders")) is not int
+                or type((<dict>attrs).get("_all_token_ids")) is not list
+                or "structured_output_request" not in <dict>attrs):
+            return None
+        request_id = (<dict>attrs).get("request_id")
         if type(request_id) is not str or <str>request_id != <str>req_id:
             return None
         if is_async:
             spec = (<dict>spec_tokens).get(req_id)
             if spec is not None and type(spec) is not list:
                 return None
-        batch.append(request)
+        batch.append(attrs)
     return batch
 
 
@@ -99,6 +106,7 @@ def update_after_schedule(scheduler, scheduler_output, spec_token_placeholders,
     cdef bint defer = scheduler.defer_block_free is True
     step_seq = scheduler.sched_step_seq if defer else None
     cdef set inflight_prefills = scheduler._inflight_prefills
+    cdef dict requests = scheduler.requests
     cdef bint has_structured = scheduler_output.has_structured_output_requests is True
     cdef bint pending_structured = False
     cdef bint use_v2 = False
@@ -114,32 +122,33 @@ def update_after_schedule(scheduler, scheduler_output, spec_token_placeholders,
             current_step, stagger = scheduler.current_step, scheduler.decode_stagger
     cdef Py_ssize_t index = 0
     for req_id, num_tokens in num_scheduled.items():
-        request = batch[index]
+        attrs = <dict>batch[index]
         index += 1
-        computed = request.num_computed_tokens + num_tokens
-        request.num_computed_tokens = computed
-        request.num_in_flight_tokens = request.num_in_flight_tokens + num_tokens
+        computed = attrs["num_computed_tokens"] + num_tokens
+        attrs["num_computed_tokens"] = computed
+        attrs["num_in_flight_tokens"] = attrs["num_in_flight_tokens"] + num_tokens
         if defer:
-            request.last_sched_seq = step_seq
-        placeholders = request.num_output_placeholders
-        prefill_chunk = computed < len(<list>request._all_token_ids) + placeholders
-        request.is_prefill_chunk = prefill_chunk
-        structured = request.structured_output_request is not None
+            attrs["last_sched_seq"] = step_seq
+        placeholders = attrs["num_output_placeholders"]
+        prefill_chunk = computed < len(<list>attrs["_all_token_ids"]) + placeholders
+        attrs["is_prefill_chunk"] = prefill_chunk
+        structured = attrs.get("structured_output_request") is not None
         if structured and not prefill_chunk:
             has_structured = True
         if prefill_chunk:
             continue
-        inflight_prefills.discard(request)
+        if inflight_prefills:
+            inflight_prefills.discard(requests[req_id])
         if not is_async:
             continue
         if structured and placeholders > 0:
             pending_structured = True
         spec = spec_tokens.get(req_id)
-        request.num_output_placeholders = placeholders + (
+        attrs["num_output_placeholders"] = placeholders + (
             per_step + (0 if spec is None else len(<list>spec)))
-        request.spec_token_ids = spec_token_placeholders
+        attrs["spec_token_ids"] = spec_token_placeholders
         if use_v2:
-            request.next_decode_eligible_step = current_step + stagger
+            attrs["next_decode_eligible_step"] = current_step + stagger
     scheduler_output.has_structured_output_requests = has_structured
     if is_async:
         scheduler_output.pending_structured_output_tokens = pending_structured

@@ -17,7 +17,11 @@ request is a plain ``Request`` of the scheduler's (exact type, its own id as
 key, counters that are ints, a token list that is a list) and the flags it
 reads are what vLLM keeps there (bools, ints, a set, dicts).  Otherwise it
 returns False and the caller runs vLLM's method, which then behaves exactly
-as stock (a missing request raises vLLM's KeyError there).
+as stock (a missing request raises vLLM's KeyError there).  A request's
+attributes are read and written through its instance dict, as the compiled
+call does (each is a plain instance attribute of vLLM's ``Request``: the
+patch's activation check confirms it), so a request missing one is left to
+vLLM's method too.
 
 Read off vLLM 0.33.0's code (pinned by the patch's guard):
 
@@ -75,17 +79,21 @@ def _plain_batch(scheduler: Any, scheduler_output: Any, is_async: bool,
     batch = []
     for req_id, num_tokens in num_scheduled.items():
         request = requests.get(req_id) if type(req_id) is str else None
-        if (type(request) is not request_type or request.request_id != req_id
-                or type(num_tokens) is not int
-                or type(request.num_computed_tokens) is not int
-                or type(request.num_in_flight_tokens) is not int
-                or type(request.num_output_placeholders) is not int
-                or type(request._all_token_ids) is not list):
+        if type(request) is not request_type or type(num_tokens) is not int:
+            return None
+        attrs = getattr(request, "__dict__", None)
+        if (type(attrs) is not dict
+                or type(attrs.get("num_computed_tokens")) is not int
+                or type(attrs.get("num_in_flight_tokens")) is not int
+                or type(attrs.get("num_output_placeholders")) is not int
+                or type(attrs.get("_all_token_ids")) is not list
+                or "structured_output_request" not in attrs
+                or type(attrs.get("request_id")) is not str or attrs["request_id"] != req_id):
             return None
         spec = spec_tokens.get(req_id) if is_async else None
         if spec is not None and type(spec) is not list:
             return None
-        batch.append(request)
+        batch.append(attrs)
     return batch
 
 
@@ -123,28 +131,29 @@ def update_after_schedule(scheduler: Any, scheduler_output: Any,
         use_v2 = scheduler.use_v2_model_runner
         if use_v2:
             current_step, stagger = scheduler.current_step, scheduler.decode_stagger
-    for request, (req_id, num_tokens) in zip(batch, num_scheduled.items(), strict=True):
-        request.num_computed_tokens += num_tokens
-        request.num_in_flight_tokens += num_tokens
+    for attrs, (req_id, num_tokens) in zip(batch, num_scheduled.items(), strict=True):
+        attrs["num_computed_tokens"] += num_tokens
+        attrs["num_in_flight_tokens"] += num_tokens
         if defer:
-            request.last_sched_seq = step_seq
-        prefill_chunk = request.num_computed_tokens < (
-            len(request._all_token_ids) + request.num_output_placeholders)
-        request.is_prefill_chunk = prefill_chunk
-        structured = request.structured_output_request is not None
+            attrs["last_sched_seq"] = step_seq
+        prefill_chunk = attrs["num_computed_tokens"] < (
+            len(attrs["_all_token_ids"]) + attrs["num_output_placeholders"])
+        attrs["is_prefill_chunk"] = prefill_chunk
+        structured = attrs["structured_output_request"] is not None
         has_structured = has_structured or (structured and not prefill_chunk)
         if prefill_chunk:
             continue
-        inflight_prefills.discard(request)
+        if inflight_prefills:
+            inflight_prefills.discard(scheduler.requests[req_id])
         if not is_async:
             continue
         pending_structured = pending_structured or (
-            structured and request.num_output_placeholders > 0)
-        request.num_output_placeholders += per_step + len(
+            structured and attrs["num_output_placeholders"] > 0)
+        attrs["num_output_placeholders"] += per_step + len(
             spec_tokens.get(req_id, ()))
-        request.spec_token_ids = spec_token_placeholders
+        attrs["spec_token_ids"] = spec_token_placeholders
         if use_v2:
-            request.next_decode_eligible_step = current_step + stagger
+            attrs["next_decode_eligible_step"] = current_step + stagger
     scheduler_output.has_structured_output_requests = has_structured
     if is_async:
         scheduler_output.pending_structured_output_tokens = pending_structured

@@ -31,7 +31,9 @@ async one's replacement also stands in for the base method it calls) and the
 ``use_structured_output``).  The activation check runs stock and fastbatch
 side by side on small real ``Request`` objects, for both classes, with and
 without deferred block freeing, spec tokens, structured output and the Model
-Runner V2 branch.
+Runner V2 branch, after confirming that every request attribute the compiled
+call reads or writes through the instance dict is a plain instance
+attribute (``instance_dict_problem``).
 
 Shadow check (``FASTBATCH_VERIFY``, one on each patch): before the call each
 scheduled request's fields that the methods read and write are copied (its
@@ -54,7 +56,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import fastbatch
-from fastbatch.patches._patch import Patch, Shadow
+from fastbatch.patches._patch import Patch, Shadow, instance_dict_problem
 
 MODULE = "vllm.v1.core.sched.scheduler"
 ASYNC_MODULE = "vllm.v1.core.sched.async_scheduler"
@@ -200,7 +202,17 @@ def scheduler_state(scheduler: Any, output: Any) -> Any:
     )
 
 
+# What the compiled call reads of a scheduled request through its instance
+# dict (it writes ``_WRITTEN``, below, the same way).
+_DICT_READ = ("request_id", "num_computed_tokens", "num_in_flight_tokens",
+              "num_output_placeholders", "_all_token_ids", "structured_output_request")
+
+
 def _check(cls: Any, method: Any, replacement: Any) -> str | None:
+    problem = instance_dict_problem(_small_request("check", 4, 0, 0, 0, False), _DICT_READ,
+                                    _WRITTEN)
+    if problem is not None:
+        return problem
     for defer_block_free in (False, True):
         for use_v2 in (False, True):
             states = []
