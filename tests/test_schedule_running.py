@@ -30,6 +30,7 @@ from types import MethodType
 import pytest
 import scheduler_lockstep as lockstep
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
 
 import fastbatch
 from fastbatch import _kernels, _reference, registry
@@ -190,6 +191,22 @@ def test_activation_check_refuses_an_override(monkeypatch):
     assert problem is not None and "overrides" in problem
 
 
+@pytest.mark.parametrize("attribute", ["is_prefill_chunk", "spec_token_ids"])
+def test_activation_check_refuses_an_attribute_the_instance_dict_would_bypass(monkeypatch,
+                                                                              attribute):
+    # The compiled loop reads a request's attributes through its instance
+    # dict: a property of that name on Request would be bypassed.
+    def get(request):
+        return request.__dict__["_kept"]
+
+    def set_(request, value):
+        request.__dict__["_kept"] = value
+
+    monkeypatch.setattr(Request, attribute, property(get, set_), raising=False)
+    problem = patch.activation_check(STOCK, patch.schedule)
+    assert problem is not None and f"['{attribute}'] would be bypassed" in problem
+
+
 @pytest.mark.parametrize("lookahead, prefill_lookahead, budget, defer",
                          [(0, 0, 400, False), (3, 2, 400, True), (3, 0, 21, False),
                           (1, 0, 5, True)])
@@ -224,11 +241,16 @@ def _arguments(state):
 
 
 @pytest.mark.parametrize("piece", [compiled_piece, twin_piece], ids=["compiled", "twin"])
-def test_hands_over_at_a_request_it_does_not_follow(piece):
-    """A request with encoder inputs (the second): the loop returns at its
-    index, nothing done for it; vLLM's loop goes on from there."""
+@pytest.mark.parametrize("odd", ["encoder", "no_attribute"])
+def test_hands_over_at_a_request_it_does_not_follow(piece, odd):
+    """A request with encoder inputs, or without an attribute the loop reads
+    through its instance dict (the second): the loop returns at its index,
+    nothing done for it; vLLM's loop goes on from there."""
     scheduler, state = _scheduler_and_state()
-    scheduler.running[1].mm_features = [object()]
+    if odd == "encoder":
+        scheduler.running[1].mm_features = [object()]
+    else:
+        del scheduler.running[1].mm_features
     before = piece.stats()
     arguments = _arguments(state)
     index, *_ = piece.schedule_running_requests(scheduler, *arguments, patch._KINDS)

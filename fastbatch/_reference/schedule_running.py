@@ -128,32 +128,38 @@ def schedule_running_requests(scheduler: Any, req_index: Any, token_budget: Any,
         request = running[index]
         if inputs <= slots or type(request) is not request_type:
             break
-        placeholders, computed = request.num_output_placeholders, request.num_computed_tokens
+        # Read through its instance dict, as the compiled loop does: one
+        # missing reads as None and hands the request to vLLM's loop.
+        attrs = getattr(request, "__dict__", None)
+        if type(attrs) is not dict:
+            break
+        placeholders = attrs.get("num_output_placeholders")
+        computed = attrs.get("num_computed_tokens")
         if not (_is_index(placeholders) and _is_index(computed)):
             break
         if placeholders > 0:
-            prompt_tokens, max_tokens = request.num_prompt_tokens, request.max_tokens
+            prompt_tokens, max_tokens = attrs.get("num_prompt_tokens"), attrs.get("max_tokens")
             if not (_is_index(prompt_tokens) and _is_index(max_tokens)):
                 break
             if computed + 2 - placeholders >= prompt_tokens + max_tokens:
                 index += 1
                 values["skipped"] += 1
                 continue
-        eligible_step = request.next_decode_eligible_step
+        eligible_step = attrs.get("next_decode_eligible_step")
         if not _is_index(eligible_step):
             break
         if current_step < eligible_step:
             index += 1
             values["skipped"] += 1
             continue
-        is_prefill_chunk = request.is_prefill_chunk
+        is_prefill_chunk = attrs.get("is_prefill_chunk")
         if type(is_prefill_chunk) is not bool:
             break
         if defer_prefills and is_prefill_chunk:
             index += 1
             values["skipped"] += 1
             continue
-        token_ids, spec_token_ids = request._all_token_ids, request.spec_token_ids
+        token_ids, spec_token_ids = attrs.get("_all_token_ids"), attrs.get("spec_token_ids")
         if type(token_ids) is not list or type(spec_token_ids) is not list:
             break
         num_tokens = len(token_ids)
@@ -163,7 +169,7 @@ def schedule_running_requests(scheduler: Any, req_index: Any, token_budget: Any,
         num_new = min(num_new, budget, inputs - slots)
         num_new = min(num_new, max_model_len - computed - sampled_per_step)
         # Request.has_encoder_inputs (num_encoder_inputs = len(mm_features) > 0).
-        mm_features = request.mm_features
+        mm_features = attrs.get("mm_features")
         if type(mm_features) is not list or len(mm_features) > 0:
             break
         remaining = num_tokens - computed - num_new
@@ -174,9 +180,11 @@ def schedule_running_requests(scheduler: Any, req_index: Any, token_budget: Any,
             index += 1
             values["skipped"] += 1
             continue
-        output_token_ids, request_id = request._output_token_ids, request.request_id
+        output_token_ids, request_id = attrs.get("_output_token_ids"), attrs.get("request_id")
+        if type(request_id) is not str:
+            break
         if drafts_needed is not None:
-            max_tokens = request.max_tokens
+            max_tokens = attrs.get("max_tokens")
             if type(output_token_ids) is not list or not _is_index(max_tokens):
                 break
         if direct:
@@ -209,7 +217,7 @@ def schedule_running_requests(scheduler: Any, req_index: Any, token_budget: Any,
                 if len(spec_token_ids) > num_spec:
                     spec_token_ids = spec_token_ids[:num_spec]
                 scheduled_spec_decode_tokens[request_id] = spec_token_ids
-            request.spec_token_ids = []
+            attrs["spec_token_ids"] = []
     if index < len(running) and budget > 0 and inputs > slots:
         values["handed_over"] += 1
     return index, budget, inputs, any_prefill, drafts_needed

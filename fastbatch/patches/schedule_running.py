@@ -44,7 +44,10 @@ computes instead (``_reserve_prefill_lookahead``, 0.33.0's
 (the compiled piece, bound to vLLM's method and classes).  The source
 transform (``transformed``) finds the loop by its ``while`` line and checks
 that every local the added call passes is assigned before it.  The
-activation check runs vLLM's own loop (extracted from the same source,
+activation check confirms that every ``Request`` attribute the compiled
+loop reads through the instance dict (``REQUEST_READ``; it writes
+``spec_token_ids`` the same way) is a plain instance attribute, then runs
+vLLM's own loop (extracted from the same source,
 ``vllm_running_loop``) and fastbatch's on small batches of real requests and
 a real KV-cache manager (decodes, async placeholders at ``max_tokens``, a
 prefill chunk, deferred prefills, spec drafts verified in part, new blocks,
@@ -80,7 +83,7 @@ from typing import Any
 import fastbatch
 from fastbatch import _verify
 from fastbatch.patches import allocate_slots as allocate_slots_patch
-from fastbatch.patches._patch import Patch, Shadow
+from fastbatch.patches._patch import Patch, Shadow, instance_dict_problem
 
 MODULE = "vllm.v1.core.sched.scheduler"
 TARGET = f"{MODULE}:Scheduler.schedule"
@@ -291,6 +294,13 @@ def schedule(self: Any, throttle_prefills: bool = False) -> Any:
 # ---------------------------------------------------------------------------
 # The activation check: real requests and a real KV-cache manager.
 
+# What the compiled loop reads of a running request through its instance dict
+# (it writes ``spec_token_ids`` the same way).
+REQUEST_READ = ("num_output_placeholders", "num_computed_tokens", "num_prompt_tokens",
+                "max_tokens", "next_decode_eligible_step", "is_prefill_chunk",
+                "_all_token_ids", "spec_token_ids", "mm_features", "_output_token_ids",
+                "request_id")
+
 def _request(request_id: str, prompt_len: int, num_output: int, num_computed: int,
              placeholders: int = 0, spec: tuple[int, ...] = (), max_tokens: int = 64,
              prefill_chunk: bool = False, eligible: int = 0, encoder: bool = False) -> Any:
@@ -425,6 +435,9 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     for name in ("_reserve_prefill_lookahead", "_drafts_unused"):
         if getattr(AsyncScheduler, name, None) is not getattr(Scheduler, name, None):
             return f"AsyncScheduler.{name} overrides Scheduler's"
+    problem = instance_dict_problem(_request("check", 4, 0, 0), REQUEST_READ, ("spec_token_ids",))
+    if problem is not None:
+        return problem
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     stock_allocate = allocate_slots_patch.PATCH.original() or KVCacheManager.allocate_slots
