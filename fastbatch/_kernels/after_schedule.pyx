@@ -55,21 +55,24 @@ cdef list _plain_batch(object scheduler, object scheduler_output, bint is_async,
                                or type(scheduler.decode_stagger) is not int):
             return None
     cdef list batch = []
+    cdef dict attrs
     for req_id, num_tokens in (<dict>num_scheduled).items():
         if type(req_id) is not str:
             return None
         request = (<dict>requests).get(req_id)
         if type(request) is not request_type or type(num_tokens) is not int:
             return None
-        attrs = request.__dict__
-        if (type(attrs) is not dict
-                or type((<dict>attrs).get("num_computed_tokens")) is not int
-                or type((<dict>attrs).get("num_in_flight_tokens")) is not int
-                or type((<dict>attrs).get("num_output_placeholders")) is not int
-                or type((<dict>attrs).get("_all_token_ids")) is not list
-                or "structured_output_request" not in <dict>attrs):
+        instance_dict = request.__dict__
+        if type(instance_dict) is not dict:
             return None
-        request_id = (<dict>attrs).get("request_id")
+        attrs = <dict>instance_dict
+        if (type(attrs.get("num_computed_tokens")) is not int
+                or type(attrs.get("num_in_flight_tokens")) is not int
+                or type(attrs.get("num_output_placeholders")) is not int
+                or type(attrs.get("_all_token_ids")) is not list
+                or "structured_output_request" not in attrs):
+            return None
+        request_id = attrs.get("request_id")
         if type(request_id) is not str or <str>request_id != <str>req_id:
             return None
         if is_async:
@@ -121,6 +124,7 @@ def update_after_schedule(scheduler, scheduler_output, spec_token_placeholders,
         if use_v2:
             current_step, stagger = scheduler.current_step, scheduler.decode_stagger
     cdef Py_ssize_t index = 0
+    cdef dict attrs
     for req_id, num_tokens in num_scheduled.items():
         attrs = <dict>batch[index]
         index += 1
@@ -132,7 +136,7 @@ def update_after_schedule(scheduler, scheduler_output, spec_token_placeholders,
         placeholders = attrs["num_output_placeholders"]
         prefill_chunk = computed < len(<list>attrs["_all_token_ids"]) + placeholders
         attrs["is_prefill_chunk"] = prefill_chunk
-        structured = attrs.get("structured_output_request") is not None
+        structured = attrs["structured_output_request"] is not None
         if structured and not prefill_chunk:
             has_structured = True
         if prefill_chunk:

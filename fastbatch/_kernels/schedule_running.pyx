@@ -49,6 +49,7 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
     cdef Py_ssize_t prompt_tokens, max_tokens = 0, eligible_step, num_new
     cdef Py_ssize_t num_tokens, remaining, spec_count, num_spec, lookahead
     cdef bint any_prefill, unused, direct
+    cdef dict attrs
     unchanged = (req_index, token_budget, input_budget, prefill_scheduled, drafts_needed)
     if type(kinds) is not tuple or len(<tuple>kinds) != 2:
         raise TypeError("kinds must be a tuple (Request, allocate_slots)")
@@ -97,36 +98,37 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
         # Its attributes are read through its instance dict (each a plain
         # instance attribute of Request: checked on activation); one missing
         # reads as None and hands the request to vLLM's loop.
-        attrs = request.__dict__
-        if type(attrs) is not dict:
+        instance_dict = request.__dict__
+        if type(instance_dict) is not dict:
             break
-        if not (as_index((<dict>attrs).get("num_output_placeholders"), &placeholders)
-                and as_index((<dict>attrs).get("num_computed_tokens"), &computed)):
+        attrs = <dict>instance_dict
+        if not (as_index(attrs.get("num_output_placeholders"), &placeholders)
+                and as_index(attrs.get("num_computed_tokens"), &computed)):
             break
         if placeholders > 0:
             # Async scheduling: the step that reaches max_tokens is in flight.
-            if not (as_index((<dict>attrs).get("num_prompt_tokens"), &prompt_tokens)
-                    and as_index((<dict>attrs).get("max_tokens"), &max_tokens)):
+            if not (as_index(attrs.get("num_prompt_tokens"), &prompt_tokens)
+                    and as_index(attrs.get("max_tokens"), &max_tokens)):
                 break
             if computed + 2 - placeholders >= prompt_tokens + max_tokens:
                 index += 1
                 _skipped += 1
                 continue
-        if not as_index((<dict>attrs).get("next_decode_eligible_step"), &eligible_step):
+        if not as_index(attrs.get("next_decode_eligible_step"), &eligible_step):
             break
         if current_step < eligible_step:
             index += 1
             _skipped += 1
             continue
-        is_prefill_chunk = (<dict>attrs).get("is_prefill_chunk")
+        is_prefill_chunk = attrs.get("is_prefill_chunk")
         if type(is_prefill_chunk) is not bool:
             break
         if defer_prefills and is_prefill_chunk:
             index += 1
             _skipped += 1
             continue
-        token_ids = (<dict>attrs).get("_all_token_ids")
-        spec_token_ids = (<dict>attrs).get("spec_token_ids")
+        token_ids = attrs.get("_all_token_ids")
+        spec_token_ids = attrs.get("spec_token_ids")
         if type(token_ids) is not list or type(spec_token_ids) is not list:
             break
         num_tokens = len(<list>token_ids)
@@ -137,7 +139,7 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
         num_new = min(num_new, max_model_len - computed - sampled_per_step)
         # Request.has_encoder_inputs (num_encoder_inputs = len(mm_features) > 0):
         # encoder inputs go to vLLM's loop.
-        mm_features = (<dict>attrs).get("mm_features")
+        mm_features = attrs.get("mm_features")
         if type(mm_features) is not list or len(<list>mm_features) > 0:
             break
         # Scheduler._reserve_prefill_lookahead.
@@ -149,13 +151,13 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
             index += 1
             _skipped += 1
             continue
-        output_token_ids = (<dict>attrs).get("_output_token_ids")
-        request_id = (<dict>attrs).get("request_id")
+        output_token_ids = attrs.get("_output_token_ids")
+        request_id = attrs.get("request_id")
         if type(request_id) is not str:
             break
         if drafts_needed is not None and (
                 type(output_token_ids) is not list
-                or not as_index((<dict>attrs).get("max_tokens"), &max_tokens)):
+                or not as_index(attrs.get("max_tokens"), &max_tokens)):
             break
         if direct:
             new_blocks = allocate_decode(view, request, num_new, lookahead, True)
@@ -189,7 +191,7 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
                 if spec_count > num_spec:
                     spec_token_ids = (<list>spec_token_ids)[:num_spec]
                 (<dict>scheduled_spec_decode_tokens)[request_id] = spec_token_ids
-            (<dict>attrs)["spec_token_ids"] = []
+            attrs["spec_token_ids"] = []
     if index < len(<list>running) and budget > 0 and inputs > slots:
         _handed_over += 1
     return index, budget, inputs, any_prefill, drafts_needed

@@ -204,13 +204,13 @@ def scheduler_state(scheduler: Any, output: Any) -> Any:
 
 # What the compiled call reads of a scheduled request through its instance
 # dict (it writes ``_WRITTEN``, below, the same way).
-_DICT_READ = ("request_id", "num_computed_tokens", "num_in_flight_tokens",
+REQUEST_READ = ("request_id", "num_computed_tokens", "num_in_flight_tokens",
               "num_output_placeholders", "_all_token_ids", "structured_output_request")
 
 
 def _check(cls: Any, method: Any, replacement: Any) -> str | None:
-    problem = instance_dict_problem(_small_request("check", 4, 0, 0, 0, False), _DICT_READ,
-                                    _WRITTEN)
+    problem = instance_dict_problem(_small_request("check", 4, 0, 0, 0, False),
+                                    REQUEST_READ, _WRITTEN)
     if problem is not None:
         return problem
     for defer_block_free in (False, True):

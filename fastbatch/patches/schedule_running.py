@@ -301,6 +301,7 @@ REQUEST_READ = ("num_output_placeholders", "num_computed_tokens", "num_prompt_to
                 "_all_token_ids", "spec_token_ids", "mm_features", "_output_token_ids",
                 "request_id")
 
+
 def _request(request_id: str, prompt_len: int, num_output: int, num_computed: int,
              placeholders: int = 0, spec: tuple[int, ...] = (), max_tokens: int = 64,
              prefill_chunk: bool = False, eligible: int = 0, encoder: bool = False) -> Any:
