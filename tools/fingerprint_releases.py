@@ -15,6 +15,7 @@ so a rerun asks the network only for the two release lists.
 
     python tools/fingerprint_releases.py            # write both files
     python tools/fingerprint_releases.py --explain  # and say why a release is not accepted
+    python tools/fingerprint_releases.py --until 0.33.0  # releases up to the one tested
     python tools/fingerprint_releases.py --function vllm/v1/worker/gpu_input_batch.py \\
         InputBatch.update_async_output_token_ids InputBatch.condense
                                                     # fingerprints of any functions, per release
@@ -178,11 +179,13 @@ class Wheel:
         return text
 
 
-def wheels(package: str, since: str, cache: Path) -> list[Wheel]:
-    """Every x86_64 wheel of ``package`` from release ``since`` on (sorted)."""
+def wheels(package: str, since: str, cache: Path, until: str | None = None) -> list[Wheel]:
+    """Every x86_64 wheel of ``package`` from release ``since`` on, up to
+    ``until`` if given (sorted)."""
     found = {}
     for url, filename, version in WHEEL.findall(_get(SIMPLE.format(package)).decode()):
-        if version_key(version) >= version_key(since):
+        if version_key(version) >= version_key(since) and (
+                until is None or version_key(version) <= version_key(until)):
             found[filename] = Wheel(package, version, filename, url, cache)
     return sorted(found.values(), key=lambda w: (version_key(w.version), w.filename))
 
@@ -591,7 +594,7 @@ def function_mode(args: argparse.Namespace) -> None:
     """The ad-hoc table: fingerprints of ``qualnames`` of one file, per release."""
     module = args.path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
     for package in args.packages:
-        for wheel in wheels(package, args.since, _cache(args.cache)):
+        for wheel in wheels(package, args.since, _cache(args.cache), args.until):
             source = Source(wheel.read)
             prints = [source.fingerprint(module, q) or "-" for q in args.qualnames]
             build = re.match(r"[^-]+-[^-]+-(\d[^-]*)-", wheel.filename)
@@ -607,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
                              "InputBatch.condense) per release, and write nothing")
     parser.add_argument("--since", default=SINCE, help="the oldest release read "
                         f"(default {SINCE})")
+    parser.add_argument("--until", help="the newest release read (default: all): a "
+                        "release the test suites have not run against yet stays out")
     parser.add_argument("--packages", nargs="+", default=list(PACKAGES))
     parser.add_argument("--cache", help="where wheel members are cached (default "
                         "$FASTBATCH_FINGERPRINT_CACHE or ~/.cache/fastbatch-fingerprints)")
@@ -623,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     by_piece, hook = patches()
     all_patches = [patch for group in by_piece.values() for patch in group] + [hook]
     all_wheels = [wheel for package in args.packages
-                  for wheel in wheels(package, args.since, _cache(args.cache))]
+                  for wheel in wheels(package, args.since, _cache(args.cache), args.until)]
     releases, published = accepted_releases(all_wheels, all_patches, args.explain)
     changed = write_all(releases, published,
                         {name: tuple(p.target for p in group) for name, group in

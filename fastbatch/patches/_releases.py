@@ -46,6 +46,9 @@ RELEASES: dict[str, tuple[str, ...]] = {
     "vllm.v1.engine.logprobs.LogprobsProcessor._update_sample_logprobs": (
         "0.32.0", "0.33.0",
     ),
+    "vllm.v1.engine.output_processor.OutputProcessor.process_outputs": (
+        "0.32.0", "0.33.0",
+    ),
     "vllm.v1.sample.ops.penalties._convert_to_tensors": (
         "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0",
         "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",

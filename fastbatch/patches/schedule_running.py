@@ -73,10 +73,8 @@ from __future__ import annotations
 import ast
 import contextlib
 import copy
-import inspect
 import random
 import sys
-import textwrap
 from types import MethodType
 from typing import Any
 
@@ -84,6 +82,7 @@ import fastbatch
 from fastbatch import _verify
 from fastbatch.patches import allocate_slots as allocate_slots_patch
 from fastbatch.patches._patch import Patch, Shadow, instance_dict_problem
+from fastbatch.patches._source import assigned, compile_in_module, function_tree
 
 MODULE = "vllm.v1.core.sched.scheduler"
 TARGET = f"{MODULE}:Scheduler.schedule"
@@ -140,41 +139,12 @@ else:
 
 def _function_tree(schedule: Any) -> tuple[ast.Module, ast.FunctionDef, int, str]:
     """(module tree, the def, index of the running loop in its body, source file)."""
-    source = textwrap.dedent(inspect.getsource(schedule))
-    tree = ast.parse(source)
-    function = tree.body[0]
-    if not isinstance(function, ast.FunctionDef):
-        raise ValueError("Scheduler.schedule's source is not a def")
+    tree, function, filename = function_tree(schedule)
     loops = [position for position, statement in enumerate(function.body)
              if isinstance(statement, ast.While) and ast.unparse(statement.test) == _LOOP_TEST]
     if len(loops) != 1:
         raise ValueError(f"Scheduler.schedule has {len(loops)} loops `while {_LOOP_TEST}`")
-    ast.increment_lineno(tree, schedule.__code__.co_firstlineno - 1)
-    return tree, function, loops[0], inspect.getsourcefile(schedule) or "<vllm>"
-
-
-def _assigned(statements: list[ast.stmt]) -> set[str]:
-    return {node.id for statement in statements for node in ast.walk(statement)
-            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store)}
-
-
-def _compile(tree: ast.Module, filename: str, owner: Any, closure: dict[str, Any]) -> Any:
-    """The one def of ``tree``, compiled in ``owner``'s module (its globals:
-    vLLM's names, live), with ``closure``'s names as its free variables."""
-    function = tree.body[0]
-    outer = ast.FunctionDef(
-        name="_fastbatch_make", args=ast.arguments(
-            posonlyargs=[], args=[ast.arg(arg=name) for name in closure], kwonlyargs=[],
-            kw_defaults=[], defaults=[]),
-        body=[function, ast.Return(value=ast.Name(id=function.name, ctx=ast.Load()))],
-        decorator_list=[], returns=None, type_params=[])
-    module = ast.Module(body=[outer], type_ignores=[])
-    ast.copy_location(outer, function)
-    ast.fix_missing_locations(module)
-    namespace: dict[str, Any] = {}
-    exec(compile(module, filename, "exec", dont_inherit=True),
-         vars(sys.modules[owner.__module__]), namespace)
-    return namespace["_fastbatch_make"](*closure.values())
+    return tree, function, loops[0], filename
 
 
 def transformed(schedule: Any, helper: Any) -> Any:
@@ -188,7 +158,7 @@ def transformed(schedule: Any, helper: Any) -> Any:
     result goes to an unused name).  ValueError where the source is not as
     expected."""
     tree, function, position, filename = _function_tree(schedule)
-    before = _assigned(function.body[:position])
+    before = assigned(function.body[:position])
     has_drafts = "drafts_needed" in before
     missing = [name for name in LOOP_ARGUMENTS
                if name not in before and not (name == "drafts_needed" and not has_drafts)]
@@ -203,7 +173,7 @@ def transformed(schedule: Any, helper: Any) -> Any:
     for node in ast.walk(call):
         ast.copy_location(node, loop)
     function.body.insert(position, call)
-    built = _compile(tree, filename, schedule, {_HELPER: helper})
+    built = compile_in_module(tree, filename, schedule, {_HELPER: helper})
     built.__qualname__, built.__module__ = schedule.__qualname__, schedule.__module__
     built.__doc__ = schedule.__doc__
     return built
@@ -216,9 +186,9 @@ def vllm_running_loop(schedule: Any) -> Any:
     loop has it).  Compiled from ``schedule``'s own source (vLLM's code)."""
     tree, function, position, filename = _function_tree(schedule)
     loop = function.body[position]
-    before = _assigned(function.body[:position])
+    before = assigned(function.body[:position])
     read = sorted({node.id for node in ast.walk(loop) if isinstance(node, ast.Name)} & before)
-    written = sorted(_assigned([loop]) & before)
+    written = sorted(assigned([loop]) & before)
     returned = ast.parse("return {" + ", ".join(f"{name!r}: {name}" for name in written)
                          + "}").body[0]
     for node in ast.walk(returned):
@@ -229,7 +199,7 @@ def vllm_running_loop(schedule: Any) -> Any:
                                   kwonlyargs=[ast.arg(arg=name) for name in read],
                                   kw_defaults=[None] * len(read), defaults=[])
     function.decorator_list, function.returns = [], None
-    loop_function = _compile(tree, filename, schedule, {})
+    loop_function = compile_in_module(tree, filename, schedule, {})
     loop_function.reads = tuple(read)
     return loop_function
 

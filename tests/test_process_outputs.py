@@ -1,0 +1,360 @@
+"""Piece ``process_outputs``: a turn of ``OutputProcessor.process_outputs``' loop, compiled.
+
+Against the REAL vLLM 0.33.0 output processor (tox -e vllm): two real
+``OutputProcessor`` instances given the same engine outputs, step by step,
+one through vLLM's method and one through fastbatch's (vLLM's method
+compiled from its source with the compiled turn's call added at the top of
+its loop), compared on every request output, queue, request to abort and
+request state: without a tokenizer, and with two tokenizers made here
+(a byte-level BPE whose lone bytes decode to U+FFFD, a SentencePiece-style
+one), stop strings, stats on and off, ``FINAL_ONLY``, ``CUMULATIVE`` and
+``DELTA`` requests, queues, sample logprobs, weight versions, finished
+requests; the compiled turn and the twin alike.
+
+Also: the source transform and vLLM's loop body taken from the source; the
+outputs the turn leaves to vLLM's body (and that it changes nothing then);
+the guard, the activation check (it refuses a planted bug), bad input,
+leaks; the plugin; ``FASTBATCH_VERIFY`` (no false divergence, a planted bug
+caught).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+from vllm.v1.engine import EngineCoreOutput, FinishReason
+from vllm.v1.engine.output_processor import OutputProcessor
+
+from fastbatch import _reference, registry
+from fastbatch._kernels import process_outputs as compiled_piece
+from fastbatch._reference import process_outputs as twin_piece
+from fastbatch.patches import process_outputs as patch
+from leaks import assert_no_leak
+
+pytestmark = pytest.mark.vllm
+NAME = "process_outputs"
+PIECE = registry.piece(NAME)
+STOCK = patch.PATCH.original() or OutputProcessor.process_outputs
+
+
+@pytest.fixture(autouse=True)
+def _bound_to_vllm():
+    """The piece built from vLLM's own method, its turns bound to vLLM's classes."""
+    patch.bind(STOCK)
+    twin_piece.bind(*patch.kinds())
+    yield
+    patch.bind(STOCK)
+
+
+@pytest.fixture(params=["compiled", "reference"])
+def piece(request):
+    return compiled_piece if request.param == "compiled" else twin_piece
+
+
+def method_of(piece_module):
+    """vLLM's ``process_outputs`` with ``piece_module``'s turn."""
+    return patch.transformed(STOCK, piece_module.process_output)
+
+
+@functools.cache
+def tokenizers():
+    """vLLM-wrapped tokenizers made at test time (test_update_sample_logprobs')."""
+    from test_update_sample_logprobs import tokenizers as made
+
+    return made()
+
+
+def tokens_and_stop(tokenizer):
+    """Six ids of real text, and a stop string that the fourth makes."""
+    ids = tuple(tokenizer.encode("The scheduler decides which requests run",
+                                 add_special_tokens=False))[:6]
+    return ids, [tokenizer.decode([ids[3]]).strip()[:3] or "e"]
+
+
+@pytest.mark.parametrize("log_stats", [False, True], ids=["no-stats", "stats"])
+def test_matches_vllms_method_without_a_tokenizer(piece, log_stats):
+    piece.reset_stats()
+    assert patch.run_scenario(method_of(piece), log_stats=log_stats) == \
+        patch.run_scenario(STOCK, log_stats=log_stats)
+    counted = piece.stats()
+    assert counted["handled"] > 0 and counted["finished"] > 0
+    assert counted["calls"] > counted["handled"]  # the prefill and the request gone
+
+
+@pytest.mark.parametrize("log_stats", [False, True], ids=["no-stats", "stats"])
+@pytest.mark.parametrize("tokenizer_name", ["byte-level", "metaspace"])
+def test_matches_vllms_method_with_real_tokenizers(piece, tokenizer_name, log_stats):
+    tokenizer = tokenizers()[tokenizer_name]
+    tokens, stop = tokens_and_stop(tokenizer)
+    expected = patch.run_scenario(STOCK, tokenizer, log_stats, stop, tokens)
+    assert patch.run_scenario(method_of(piece), tokenizer, log_stats, stop, tokens) == expected
+    # The stop string is matched by the detokenizer, and the request aborted.
+    assert any("stop_string" in step[1] for step in expected)
+    # Decoded text and logprobs texts are there to compare.
+    assert any(state[2] for step in expected for state in step[3])
+
+
+def test_lone_bytes_and_every_token_of_a_small_vocabulary(piece):
+    tokenizer = tokenizers()["byte-level"]
+    for start in range(0, 300, 6):
+        tokens = tuple(range(start, start + 6))
+        assert patch.run_scenario(method_of(piece), tokenizer, False, ["\ufffd"], tokens) == \
+            patch.run_scenario(STOCK, tokenizer, False, ["\ufffd"], tokens)
+
+
+def test_source_transform_adds_one_call_at_the_top_of_the_loop():
+    import inspect
+
+    built = patch.transformed(STOCK, lambda *args: False)
+    assert built.__qualname__ == "OutputProcessor.process_outputs"
+    assert built.__doc__ == STOCK.__doc__
+    assert built.__globals__ is vars(inspect.getmodule(STOCK))  # vLLM's names, live
+    assert inspect.signature(built) == inspect.signature(STOCK)
+    assert built.__code__.co_freevars == (patch._HELPER,)
+    assert built.__code__.co_firstlineno == STOCK.__code__.co_firstlineno
+    assert built.__code__.co_filename == STOCK.__code__.co_filename
+    # A helper that takes nothing leaves vLLM's method as it is.
+    assert patch.run_scenario(built) == patch.run_scenario(STOCK)
+    # One that takes everything leaves vLLM's body unrun.
+    skipped = patch.transformed(STOCK, lambda *args: True)
+    assert all(step[0] == "[]" for step in patch.run_scenario(skipped))
+    # vLLM's body alone: its continue statements return.
+    body = patch.vllm_loop_body(STOCK)
+    processor = OutputProcessor(None, log_stats=False)
+    assert body(processor, EngineCoreOutput(request_id="gone", new_token_ids=[1]),
+                None, None, None, [], []) is None
+
+    def without_loop(self, engine_core_outputs):
+        return [output.request_id for output in engine_core_outputs]
+
+    with pytest.raises(ValueError, match="loops"):
+        patch.transformed(without_loop, lambda *args: False)
+
+
+def _one_request(output_kind_name="FINAL_ONLY", **params):
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+
+    processor = OutputProcessor(None, log_stats=False)
+    request = EngineCoreRequest(
+        request_id="r", prompt_token_ids=[1, 2], mm_features=None,
+        sampling_params=SamplingParams(
+            max_tokens=8, output_kind=getattr(RequestOutputKind, output_kind_name), **params),
+        pooling_params=None, arrival_time=0.0, lora_request=None, cache_salt=None,
+        data_parallel_rank=None, external_req_id="r")
+    processor.add_request(request, None)
+    processor.request_states["r"].is_prefilling = False
+    return processor
+
+
+def _state_of(processor):
+    return {rid: (list(getattr(state.detokenizer, "token_ids", [])),
+                  {name: list(value) if isinstance(value, list) else value
+                   for name, value in vars(state).items()})
+            for rid, state in processor.request_states.items()}
+
+
+@pytest.mark.parametrize("odd", ["prefilling", "error", "routed_experts", "pooling",
+                                 "streaming", "no_detokenizer", "subclass_state",
+                                 "subclass_processor", "unknown", "lists"])
+def test_leaves_an_output_it_does_not_take_to_vllm_unchanged(piece, odd):
+    import numpy as np
+    import torch
+
+    processor = _one_request()
+    state = processor.request_states["r"]
+    output = EngineCoreOutput(request_id="r", new_token_ids=[3])
+    request_outputs, reqs_to_abort = [], []
+    if odd == "prefilling":
+        state.is_prefilling = True
+    elif odd == "error":
+        from vllm.v1.engine import RequestError
+
+        output.error = RequestError(code="x", message="y", retryable=False)
+    elif odd == "routed_experts":
+        output.routed_experts = np.zeros((1, 1), dtype=np.int32)
+    elif odd == "pooling":
+        output.pooling_output = torch.zeros(1)
+    elif odd == "streaming":
+        state.streaming_input = True
+    elif odd == "no_detokenizer":
+        state.detokenizer = None
+    elif odd == "subclass_state":
+        state.__class__ = type("State", (type(state),), {})
+    elif odd == "subclass_processor":
+        processor.__class__ = type("Processor", (OutputProcessor,), {})
+    elif odd == "unknown":
+        output = EngineCoreOutput(request_id="other", new_token_ids=[3])
+    elif odd == "lists":
+        request_outputs = ()
+    before = _state_of(processor)
+    assert piece.process_output(processor, output, None, None, "v", request_outputs,
+                                reqs_to_abort) is False
+    assert _state_of(processor) == before and not request_outputs and not reqs_to_abort
+
+
+def test_bind_refuses_bad_input(piece):
+    kinds = patch.kinds()
+    for position, bad in ((0, "EngineCoreOutput"), (1, "OutputProcessor"), (2, None), (3, 3),
+                          (4, [object])):
+        wrong = list(kinds)
+        wrong[position] = bad
+        with pytest.raises(TypeError, match="must be a"):
+            piece.bind(*wrong)
+    piece.bind(*kinds)  # the binding kept works
+    assert patch.run_scenario(method_of(piece)) == patch.run_scenario(STOCK)
+
+
+def test_an_exception_from_vllms_code_propagates_as_in_vllm(piece, monkeypatch):
+    processor = _one_request("CUMULATIVE")
+
+    def fails(self, new_token_ids, stop_terminated):
+        raise RuntimeError("detokenizer failed")
+
+    detokenizer_type = type(processor.request_states["r"].detokenizer)
+    monkeypatch.setattr(detokenizer_type, "update", fails)
+    output = EngineCoreOutput(request_id="r", new_token_ids=[3])
+    with pytest.raises(RuntimeError, match="detokenizer failed"):
+        piece.process_output(processor, output, None, None, None, [], [])
+    with pytest.raises(RuntimeError, match="detokenizer failed"):
+        STOCK(processor, [output])
+
+
+def test_no_leaks():
+    processor = _one_request("CUMULATIVE", logprobs=1)
+    outputs = []
+
+    def call():
+        output = EngineCoreOutput(request_id="r", new_token_ids=[3],
+                                  new_logprobs=patch._logprobs(1, 3, 1))
+        compiled_piece.process_output(processor, output, None, None, "v1", outputs, [])
+        outputs.clear()
+        state = processor.request_states["r"]
+        state.detokenizer.token_ids.clear()
+        state.logprobs_processor.logprobs.clear()
+
+    for _ in range(20):
+        call()
+    assert_no_leak(call, [processor], 200)
+
+
+# The plugin side -------------------------------------------------------------
+
+def test_guard_accepts_this_vllm_and_refuses_a_changed_method():
+    import vllm
+
+    assert patch.PATCH.check_target(vllm.__version__, STOCK) is None
+
+    def process_outputs(self, engine_core_outputs, engine_core_timestamp=None,
+                        iteration_stats=None, weight_version=None):
+        return None
+
+    assert "not a verified variant" in patch.PATCH.check_target(vllm.__version__,
+                                                                process_outputs)
+
+
+def test_activation_check_passes_and_refuses_a_planted_bug(monkeypatch):
+    assert patch.activation_check(STOCK, patch.process_outputs) is None
+    real = compiled_piece.process_output
+
+    def forgets_the_queue(processor, output, *args):
+        state = processor.request_states.get(output.request_id)
+        if state is not None and state.queue is not None:
+            state.queue = None
+            taken = real(processor, output, *args)
+            return taken
+        return real(processor, output, *args)
+
+    monkeypatch.setattr(compiled_piece, "process_output", forgets_the_queue)
+    problem = patch.activation_check(STOCK, patch.process_outputs)
+    assert problem is not None and "fastbatch gave" in problem
+
+
+def test_plugin_applies_and_reverts():
+    assert PIECE.targets == ("vllm.v1.engine.output_processor.OutputProcessor.process_outputs",)
+    try:
+        assert PIECE.apply()
+        assert OutputProcessor.process_outputs is patch.process_outputs
+        assert PIECE.apply()  # idempotent
+        assert patch.run_scenario(OutputProcessor.process_outputs) == \
+            patch.run_scenario(STOCK)
+    finally:
+        PIECE.revert()
+    assert OutputProcessor.process_outputs is STOCK
+
+
+def test_disable_leaves_it_stock(monkeypatch):
+    from fastbatch import vllm_plugin
+
+    monkeypatch.setenv("FASTBATCH", "1")
+    monkeypatch.setenv("FASTBATCH_DISABLE", NAME)
+    vllm_plugin.register()
+    try:
+        assert OutputProcessor.process_outputs is STOCK
+        assert vllm_plugin.status()["patches"][NAME] is False
+    finally:
+        vllm_plugin.revert()
+
+
+# FASTBATCH_VERIFY ------------------------------------------------------------
+
+@pytest.fixture
+def verified(monkeypatch, tmp_path):
+    """The piece's checks on (``PATCH.verify_rate``), reproducers to tmp_path."""
+    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
+    monkeypatch.setattr(patch.PATCH, "verify_rate", 1.0)
+    monkeypatch.setattr(patch.PATCH, "checked", 0)
+    monkeypatch.setattr(patch.PATCH, "divergences", 0)
+    monkeypatch.setattr(patch.PATCH, "reproducers", [])
+    yield
+
+
+@pytest.mark.parametrize("log_stats", [False, True], ids=["no-stats", "stats"])
+@pytest.mark.parametrize("tokenizer_name", [None, "byte-level", "metaspace"])
+def test_verify_no_false_divergence(verified, tokenizer_name, log_stats):
+    if tokenizer_name is None:
+        tokenizer, stop, tokens = None, None, patch._TOKENS
+    else:
+        tokenizer = tokenizers()[tokenizer_name]
+        tokens, stop = tokens_and_stop(tokenizer)
+    expected = patch.run_scenario(STOCK, tokenizer, log_stats, stop, tokens)
+    assert patch.run_scenario(patch.process_outputs, tokenizer, log_stats, stop,
+                              tokens) == expected
+    assert patch.PATCH.checked > 0
+    assert patch.PATCH.divergences == 0 and patch.PATCH.reproducers == []
+
+
+def _drops_the_weight_version(monkeypatch):
+    real = compiled_piece.process_output
+
+    def planted(processor, output, timestamp, stats, weight_version, *rest):
+        return real(processor, output, timestamp, stats, None, *rest)
+
+    monkeypatch.setattr(patch._piece, "process_output", planted)
+
+
+def _length_taken_for_stop(monkeypatch):
+    """The compiled turn bound with LENGTH for STOP: the detokenizer is told
+    a request finished by length was stop-terminated, and a stop string
+    becomes a LENGTH finish."""
+    kinds = list(patch.kinds())
+    kinds[5] = FinishReason.LENGTH
+    compiled_piece.bind(*kinds)
+
+
+@pytest.mark.parametrize("plant", [_drops_the_weight_version, _length_taken_for_stop])
+def test_verify_catches_a_planted_bug(verified, monkeypatch, logs, plant):
+    plant(monkeypatch)
+    tokenizer = tokenizers()["byte-level"]
+    tokens, stop = tokens_and_stop(tokenizer)
+    patch.run_scenario(patch.process_outputs, tokenizer, False, stop, tokens)
+    assert patch.PATCH.divergences >= 1 and patch.PATCH.reproducers
+    (error, *_) = [line for line in logs.at(logging.ERROR) if "FASTBATCH_VERIFY" in line]
+    assert "'process_outputs'" in error
+    assert "for reading" in patch.PATCH.replay({"request_id": "r"})
+
+
+def test_twin_is_the_reference_module():
+    assert registry.twin_modules()[NAME] is _reference.process_outputs
