@@ -203,8 +203,38 @@ def test_bind_refuses_bad_input(piece):
         wrong[position] = bad
         with pytest.raises(TypeError, match="must be a"):
             piece.bind(*wrong)
+    class Property(EngineCoreOutput):
+        request_id = property(lambda output: "r")
+
+    class Reading(EngineCoreOutput):
+        def __getattribute__(self, name):
+            return object.__getattribute__(self, name)
+
+    for output_type, why in ((Property, "request_id is not an object slot"),
+                             (Reading, "its own __getattribute__")):
+        with pytest.raises(TypeError, match=why):
+            piece.bind(output_type, *kinds[1:])
     piece.bind(*kinds)  # the binding kept works
     assert patch.run_scenario(method_of(piece)) == patch.run_scenario(STOCK)
+
+
+def test_an_output_class_without_an_error_field_reads_none(piece):
+    """vLLM 0.32.0's EngineCoreOutput has no ``error``: the turn takes its outputs."""
+    import msgspec
+
+    fields = [(field.name, field.type, field.default)
+              for field in msgspec.structs.fields(EngineCoreOutput) if field.name != "error"]
+    older = msgspec.defstruct("EngineCoreOutput", fields, array_like=True,
+                              omit_defaults=True, gc=False)
+    assert not hasattr(older, "error")
+    kinds = patch.kinds()
+    piece.bind(older, *kinds[1:])
+    processor = _one_request("CUMULATIVE")
+    request_outputs = []
+    assert piece.process_output(processor, older(request_id="r", new_token_ids=[3]), None,
+                                None, None, request_outputs, []) is True
+    assert processor.request_states["r"].detokenizer.token_ids == [3]
+    assert len(request_outputs) == 1
 
 
 def test_an_exception_from_vllms_code_propagates_as_in_vllm(piece, monkeypatch):

@@ -23,6 +23,7 @@ import functools
 import gc
 import itertools
 import logging
+import sys
 
 import numpy as np
 import pytest
@@ -37,7 +38,6 @@ from leaks import assert_no_leak
 NAME = "update_sample_logprobs"
 PIECE = registry.piece(NAME)
 REPLACEMENT = "\ufffd"
-REAL_KERNEL = fastbatch.update_sample_logprobs
 
 
 # --- stand-ins: vLLM's classes and method transcribed (no vLLM needed) ---------
@@ -433,6 +433,15 @@ def vllm_method():
     return method
 
 
+@pytest.fixture(autouse=True)
+def _bound_to_vllm(request):
+    """The installed method (the compiled ``update``) bound to vLLM's own, for
+    the tests that run real vLLM."""
+    if request.node.get_closest_marker("vllm") is not None:
+        patch.bind(vllm_method())
+    yield
+
+
 @pytest.fixture
 def stock_vllm():
     """The test starts and ends with vLLM's own method in place."""
@@ -497,6 +506,15 @@ def as_logprobs_lists(lists):
     return LogprobsLists(*lists)
 
 
+def bound(implementation):
+    """The implementation's module, its installed method (``update``) bound
+    as the patch binds the compiled one."""
+    module = implementation.PIECES[NAME]
+    module.bind(vllm_method(), patch._tokenizer_entry,
+                vars(sys.modules["vllm.v1.engine.logprobs"]), patch._kinds())
+    return module
+
+
 @pytest.mark.vllm
 @pytest.mark.usefixtures("stock_vllm")
 @pytest.mark.parametrize("tokenizer_name", ["byte-level", "metaspace", "none"])
@@ -508,15 +526,12 @@ def test_matches_the_real_method(implementation, tokenizer_name, case):
     stock = real_processor(tokenizer, flat, num_logprobs)
     ours = real_processor(tokenizer, flat, num_logprobs)
     implementation.reset_stats()
-    fastbatch.update_sample_logprobs = implementation.update_sample_logprobs
-    try:
-        for lists in calls:
-            lists = as_logprobs_lists(lists)
-            vllm_method()(stock, lists)
-            patch._update_sample_logprobs(ours, lists)
-            assert outcome(ours) == outcome(stock)
-    finally:
-        fastbatch.update_sample_logprobs = REAL_KERNEL
+    update = bound(implementation).update
+    for lists in calls:
+        lists = as_logprobs_lists(lists)
+        vllm_method()(stock, lists)
+        assert update(ours, lists) is None
+        assert outcome(ours) == outcome(stock)
     # every call was the implementation's (none handed to vLLM's method)
     assert implementation.stats()[NAME]["calls"] == len(calls)
 
@@ -546,6 +561,59 @@ def test_the_real_tokenizers_make_both_paths():
             patch._update_sample_logprobs(ours, lists)
         assert outcome(ours) == outcome(processor)
         assert fastbatch.stats()[NAME]["corrected"] > 0
+
+
+@pytest.mark.vllm
+def test_the_installed_method_has_vllms_signature_and_no_python_frame(implementation):
+    import inspect
+
+    def shape(function):
+        return [(p.name, p.kind, p.default)
+                for p in inspect.signature(function).parameters.values()]
+
+    update = bound(implementation).update
+    assert shape(update) == shape(vllm_method())
+    if implementation is fastbatch._kernels:
+        assert patch._update_sample_logprobs is update
+        assert not inspect.isfunction(update)  # compiled: no Python frame around the call
+
+
+@pytest.mark.vllm
+def test_the_installed_method_follows_the_processors_tokenizer(implementation):
+    """Processors of two tokenizers and of none, in turn: each its own
+    table (the last tokenizer's is kept at hand)."""
+    update = bound(implementation).update
+    made = [tokenizers()["byte-level"], tokenizers()["metaspace"], None]
+    pairs = [(real_processor(tokenizer, False, 2), real_processor(tokenizer, False, 2))
+             for tokenizer in made * 2]
+    for step in range(3):
+        for index, (stock, ours) in enumerate(pairs):
+            ids = np.array([[40 + step + index, 60 + index, 250 - step]], dtype=np.int32)
+            lists = as_logprobs_lists((ids, np.array([[-0.5, -1.0, -2.0]], dtype=np.float32),
+                                       np.array([1 + step]), None))
+            vllm_method()(stock, lists)
+            update(ours, lists)
+            assert outcome(ours) == outcome(stock)
+
+
+@pytest.mark.vllm
+def test_bind_refuses_bad_input_and_keeps_the_binding(implementation):
+    module = bound(implementation)
+    update = module.update
+    good = (vllm_method(), patch._tokenizer_entry,
+            vars(sys.modules["vllm.v1.engine.logprobs"]), patch._kinds())
+    for position, bad, error in ((0, None, TypeError), (1, "entry", TypeError),
+                                 (2, [], TypeError), (3, (Logprob,), ValueError)):
+        arguments = list(good)
+        arguments[position] = bad
+        with pytest.raises(error):
+            module.bind(*arguments)
+    stock, ours = real_processor(None, False, 1), real_processor(None, False, 1)
+    lists = as_logprobs_lists((np.array([[3, 4]], dtype=np.int32),
+                               np.array([[-0.5, -1.0]], dtype=np.float32), np.array([1]), None))
+    vllm_method()(stock, lists)
+    update(ours, lists)
+    assert outcome(ours) == outcome(stock)
 
 
 @pytest.mark.vllm
@@ -702,15 +770,15 @@ def test_guard_accepts_the_installed_vllm():
 def test_activation_check_refuses_a_wrong_kernel(monkeypatch, logs, broken):
     from vllm.v1.engine.logprobs import LogprobsProcessor
 
-    real = fastbatch.update_sample_logprobs
+    real = patch._update_sample_logprobs
 
-    def wrong(processor, lists, texts, convert, kinds, correct=None):
+    def wrong(processor, lists):
         if broken == "raises":
             raise RuntimeError("boom")
         lists = (lists[0], lists[1], lists[2] + 1, None)  # every sampled rank one off
-        return real(processor, lists, texts, convert, kinds, correct)
+        return real(processor, lists)
 
-    monkeypatch.setattr(fastbatch, "update_sample_logprobs", wrong)
+    monkeypatch.setattr(PIECE.main, "replacement", wrong)
     assert PIECE.apply() is False
     assert LogprobsProcessor._update_sample_logprobs is vllm_method()
     (error,) = logs.at(logging.ERROR)
@@ -734,10 +802,10 @@ def test_disable_leaves_it_stock(monkeypatch):
 
 # --- FASTBATCH_VERIFY: the shadow check -----------------------------------------
 
-def kernel_wrong_for_wide_requests(processor, lists, texts, convert, kinds, correct=None):
-    """The real kernel, then the last entry's text changed, for requests with
+def update_wrong_for_wide_requests(processor, lists):
+    """The real method, then the last entry's text changed, for requests with
     more than three logprobs (the activation check's have at most two)."""
-    found = REAL_KERNEL(processor, lists, texts, convert, kinds, correct)
+    found = patch._update_sample_logprobs(processor, lists)
     if processor.num_logprobs > 3 and type(processor.logprobs) is list:
         last = processor.logprobs[-1]
         token = list(last)[-1]
@@ -773,7 +841,7 @@ def test_verify_finds_no_divergence_on_real_steps(checked_method, flat, num_logp
 def test_verify_catches_a_bug_the_activation_check_cannot_see(verify_dir, monkeypatch, logs,
                                                               checked_method):
     method = checked_method()  # the activation check passed with the real kernel
-    monkeypatch.setattr(fastbatch, "update_sample_logprobs", kernel_wrong_for_wide_requests)
+    monkeypatch.setattr(PIECE.main, "replacement", update_wrong_for_wide_requests)
     tokenizer = tokenizers()["byte-level"]
     narrow = real_processor(tokenizer, False, 1)
     for lists in real_steps(1, 2):
@@ -795,11 +863,11 @@ def test_verify_catches_a_bug_the_activation_check_cannot_see(verify_dir, monkey
     (path,) = verify_dir.iterdir()
     assert path.name.startswith(f"{NAME}-") and str(path) in error
     assert "fastbatch appended" in vllm_plugin.replay(str(path))
-    monkeypatch.setattr(fastbatch, "update_sample_logprobs", REAL_KERNEL)
+    monkeypatch.setattr(PIECE.main, "replacement", patch._update_sample_logprobs)
     assert vllm_plugin.replay(str(path)) is None
 
     # From now on the piece runs vLLM's code: the kernel is not called again.
-    monkeypatch.setattr(fastbatch, "update_sample_logprobs", kernel_wrong_for_wide_requests)
+    monkeypatch.setattr(PIECE.main, "replacement", update_wrong_for_wide_requests)
     fastbatch.reset_stats()
     (lists,) = real_steps(5, 1)
     vllm_method()(stock, lists)

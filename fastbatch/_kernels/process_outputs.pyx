@@ -9,14 +9,46 @@ done here (``_update_stats_from_output`` without stats, ``track_weight_version``
 ``num_output_tokens``, ``LogprobsProcessor.update_from_output``, and
 ``make_request_output`` for an unfinished ``FINAL_ONLY`` request).  The patch
 calls it at the top of vLLM's own loop; False sends the output on to
-vLLM's loop body.  Attributes are read as attributes (properties and all).
-``fastbatch._reference`` holds the same behaviour in plain Python.
+vLLM's loop body.  The fields of vLLM's ``EngineCoreOutput`` (a
+``msgspec.Struct``: each field a slot) are read at their slots' offsets,
+found by ``bind`` from the class's member descriptors, which is what
+reading them as attributes does; everything else is read as attributes
+(properties and all).  ``fastbatch._reference`` holds the same behaviour in
+plain Python.
 """
 
 __all__ = ["process_output"]
 
 cimport cython
+from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
+
+import types
+
+
+cdef extern from "Python.h":
+    ctypedef struct PyMemberDef:
+        int type
+        Py_ssize_t offset
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef* d_member
+
+# PyMemberDef types of an object slot: T_OBJECT (NULL reads None) and
+# T_OBJECT_EX (NULL raises AttributeError); the same numbers in 3.10 to 3.13.
+cdef enum:
+    MEMBER_OBJECT = 6
+    MEMBER_OBJECT_EX = 16
+
+# The EngineCoreOutput fields the turn reads, in this order (``error`` is
+# vLLM 0.33.0's: where the class has none, it reads None).
+OUTPUT_FIELDS = ("request_id", "new_token_ids", "new_logprobs", "new_prompt_logprobs_tensors",
+                 "pooling_output", "finish_reason", "stop_reason", "kv_transfer_params",
+                 "ec_transfer_params", "routed_experts", "new_sampling_mask",
+                 "spec_decode_metrics", "prompt_token_id_logprobs", "error")
+cdef enum Field:
+    REQUEST_ID, NEW_TOKEN_IDS, NEW_LOGPROBS, NEW_PROMPT_LOGPROBS_TENSORS, POOLING_OUTPUT,
+    FINISH_REASON, STOP_REASON, KV_TRANSFER_PARAMS, EC_TRANSFER_PARAMS, ROUTED_EXPERTS,
+    NEW_SAMPLING_MASK, SPEC_DECODE_METRICS, PROMPT_TOKEN_ID_LOGPROBS, ERROR, FIELD_COUNT
 
 # Process-wide counters, read with stats().
 cdef uint64_t _calls = 0
@@ -25,7 +57,8 @@ cdef uint64_t _finished = 0
 
 # Set by bind().
 cdef object _output_type = None
-cdef bint _output_has_error = False
+cdef Py_ssize_t _offsets[<int>FIELD_COUNT]  # -1: not a field of the class (reads None)
+cdef bint _raises[<int>FIELD_COUNT]  # an unset slot raises AttributeError (T_OBJECT_EX)
 cdef object _processor_type = None
 cdef object _state_type = None
 cdef object _logprobs_type = None
@@ -46,14 +79,26 @@ def reset_stats():
     _calls = _handled = _finished = 0
 
 
+cdef object _member(object kind, str name):
+    """The descriptor ``kind``'s attribute lookup finds for ``name``, or None."""
+    for klass in kind.__mro__:
+        if name in klass.__dict__:
+            return klass.__dict__[name]
+    return None
+
+
 def bind(output_type, processor_type, state_type, logprobs_type, detokenizer_types, stop,
          final_only):
     """Make ``process_output`` answer for this vLLM: the exact types it
     takes (any other is vLLM's loop body's), ``FinishReason.STOP`` and
-    ``RequestOutputKind.FINAL_ONLY``.  An ``output_type`` without an
-    ``error`` field (vLLM 0.32.0) has no error to look for."""
-    global _output_type, _output_has_error, _processor_type, _state_type, _logprobs_type
+    ``RequestOutputKind.FINAL_ONLY``.  Each of ``OUTPUT_FIELDS`` must be an
+    object slot of ``output_type`` (``error`` may be missing: vLLM 0.32.0
+    has none), read through ``object.__getattribute__``."""
+    global _output_type, _processor_type, _state_type, _logprobs_type
     global _detokenizer_types, _stop, _final_only, _bound
+    cdef Py_ssize_t offsets[<int>FIELD_COUNT]
+    cdef bint raises[<int>FIELD_COUNT]
+    cdef PyMemberDef* member
     for name, value in (("output_type", output_type), ("processor_type", processor_type),
                         ("state_type", state_type), ("logprobs_type", logprobs_type)):
         if not isinstance(value, type):
@@ -61,10 +106,48 @@ def bind(output_type, processor_type, state_type, logprobs_type, detokenizer_typ
     if type(detokenizer_types) is not tuple or not all(
             isinstance(kind, type) for kind in detokenizer_types):
         raise TypeError("detokenizer_types must be a tuple of types")
-    _output_type, _output_has_error = output_type, hasattr(output_type, "error")
+    if output_type.__getattribute__ is not object.__getattribute__:
+        raise TypeError(f"{output_type.__name__} has its own __getattribute__")
+    for index, name in enumerate(OUTPUT_FIELDS):
+        descriptor = _member(output_type, name)
+        if descriptor is None and name == "error":
+            offsets[index], raises[index] = -1, False
+            continue
+        if type(descriptor) is not types.MemberDescriptorType:
+            raise TypeError(f"{output_type.__name__}.{name} is not an object slot "
+                            f"({type(descriptor).__name__})")
+        member = (<PyMemberDescrObject*><PyObject*>descriptor).d_member
+        if member.type != MEMBER_OBJECT and member.type != MEMBER_OBJECT_EX:
+            raise TypeError(f"{output_type.__name__}.{name} is not an object slot "
+                            f"(member type {member.type})")
+        offsets[index], raises[index] = member.offset, member.type == MEMBER_OBJECT_EX
+    for index in range(<int>FIELD_COUNT):
+        _offsets[index], _raises[index] = offsets[index], raises[index]
+    _output_type = output_type
     _processor_type, _state_type, _logprobs_type = processor_type, state_type, logprobs_type
     _detokenizer_types, _stop, _final_only = detokenizer_types, stop, final_only
     _bound = True
+
+
+cdef inline object _field(object output, Field field):
+    """``output.<field>``, from its slot (``output`` of the bound type)."""
+    cdef Py_ssize_t offset = _offsets[<int>field]
+    cdef PyObject* value
+    if offset < 0:
+        return None
+    value = (<PyObject**>((<char*><PyObject*>output) + offset))[0]
+    if value is NULL:
+        if _raises[<int>field]:
+            raise AttributeError(OUTPUT_FIELDS[<int>field])
+        return None
+    return <object>value
+
+
+cdef inline object _last_start(object starts):
+    """``starts[-1]`` of a non-empty list (anything else: Python's indexing)."""
+    if type(starts) is list:
+        return (<list>starts)[len(<list>starts) - 1]
+    return _last(starts)
 
 
 cdef inline bint _taken_detokenizer(object detokenizer):
@@ -96,7 +179,7 @@ def process_output(object processor, object output, object engine_core_timestamp
             or type(request_outputs) is not list or type(reqs_to_abort) is not list):
         return False
     request_states = processor.request_states
-    req_id = output.request_id
+    req_id = _field(output, REQUEST_ID)
     if type(request_states) is not dict or type(req_id) is not str:
         return False
     req_state = (<dict>request_states).get(req_id)
@@ -104,8 +187,9 @@ def process_output(object processor, object output, object engine_core_timestamp
         return False
     detokenizer = req_state.detokenizer
     logprobs_processor = req_state.logprobs_processor
-    if ((_output_has_error and output.error is not None) or req_state.is_prefilling
-            or output.routed_experts is not None or output.pooling_output is not None
+    if (_field(output, ERROR) is not None or req_state.is_prefilling
+            or _field(output, ROUTED_EXPERTS) is not None
+            or _field(output, POOLING_OUTPUT) is not None
             or not _taken_detokenizer(detokenizer)
             or type(logprobs_processor) is not _logprobs_type or req_state.streaming_input):
         return False
@@ -113,19 +197,20 @@ def process_output(object processor, object output, object engine_core_timestamp
     if iteration_stats is not None:
         processor._update_stats_from_output(req_state, output, engine_core_timestamp,
                                             iteration_stats)
-    new_token_ids = output.new_token_ids
-    finish_reason = output.finish_reason
-    stop_reason = output.stop_reason
-    kv_transfer_params = output.kv_transfer_params
-    ec_transfer_params = output.ec_transfer_params
-    spec_decode_metrics = output.spec_decode_metrics
+    new_token_ids = _field(output, NEW_TOKEN_IDS)
+    finish_reason = _field(output, FINISH_REASON)
+    stop_reason = _field(output, STOP_REASON)
+    kv_transfer_params = _field(output, KV_TRANSFER_PARAMS)
+    ec_transfer_params = _field(output, EC_TRANSFER_PARAMS)
+    spec_decode_metrics = _field(output, SPEC_DECODE_METRICS)
     if spec_decode_metrics is not None:
         req_state.spec_decode_metrics = spec_decode_metrics
+    # num_output_tokens(), before the update (track_weight_version's too)
+    num_prev_tokens = len(detokenizer.token_ids)
     if new_token_ids and weight_version is not None:
         starts = req_state.weight_version_starts
-        if not starts or _last(starts)[0] != weight_version:
-            starts.append((weight_version, len(detokenizer.token_ids)))
-    num_prev_tokens = len(detokenizer.token_ids)
+        if not starts or _last_start(starts)[0] != weight_version:
+            starts.append((weight_version, num_prev_tokens))
     # None == FinishReason.STOP is False (neither side knows the other)
     stop_string = detokenizer.update(
         new_token_ids, False if finish_reason is None else finish_reason == _stop)
@@ -133,16 +218,16 @@ def process_output(object processor, object output, object engine_core_timestamp
         finish_reason = _stop
         stop_reason = stop_string
         processor._trim_surplus_tokens(req_state, output, num_prev_tokens)
-    new_sampling_mask = output.new_sampling_mask
+    new_sampling_mask = _field(output, NEW_SAMPLING_MASK)
     if new_sampling_mask is not None:
         req_state.sampling_mask_chunks.append(new_sampling_mask)
-    new_logprobs = output.new_logprobs
+    new_logprobs = _field(output, NEW_LOGPROBS)
     if new_logprobs is not None:
         logprobs_processor._update_sample_logprobs(new_logprobs)
-    new_prompt_logprobs_tensors = output.new_prompt_logprobs_tensors
+    new_prompt_logprobs_tensors = _field(output, NEW_PROMPT_LOGPROBS_TENSORS)
     if new_prompt_logprobs_tensors is not None:
         logprobs_processor._update_prompt_logprobs(new_prompt_logprobs_tensors)
-    prompt_token_id_logprobs = output.prompt_token_id_logprobs
+    prompt_token_id_logprobs = _field(output, PROMPT_TOKEN_ID_LOGPROBS)
     if prompt_token_id_logprobs is not None:
         logprobs_processor.prompt_token_id_logprobs = prompt_token_id_logprobs.numpy()
     if finish_reason is None and req_state.output_kind is _final_only:

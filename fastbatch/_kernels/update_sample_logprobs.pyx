@@ -7,8 +7,12 @@ its logprobs in the output processor.
 Two passes, as every piece: plan (read and check the arrays and the
 processor, and find every text: the per-tokenizer table, and vLLM's own
 U+FFFD correction; nothing is written but the table), then write (the
-positions appended, the cumulative logprob).  ``fastbatch._reference``
-holds the same behaviour in plain Python.
+positions appended, the cumulative logprob).  ``update`` is the method
+itself, bound on vLLM's class by the patch (a Cython function binds like a
+Python one), with vLLM's signature: the compiled call with the
+processor's tokenizer's table, vLLM's method (``bind``) for the rest, with
+no Python frame between the output processor and the compiled call.
+``fastbatch._reference`` holds the same behaviour in plain Python.
 """
 
 __all__ = ["update_sample_logprobs"]
@@ -24,6 +28,7 @@ from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.string cimport memcpy
 
 import sys
+import weakref
 
 from fastbatch._kernels._common cimport (
     PyDict_GetItemWithError,
@@ -264,6 +269,64 @@ cdef list _context(object processor, object container, const Array* token_ids,
     for p in range(position - earlier, position):
         context.append(_int_at(token_ids, p, 0))
     return context
+
+
+# Set by bind(): vLLM's method, the patch's per-tokenizer entry,
+# vLLM's module namespace (convert_ids_list_to_tokens, read per call), kinds.
+cdef object _stock = None
+cdef object _entry_of = None
+cdef dict _namespace = None
+cdef tuple _kinds = None
+# The last tokenizer seen (weakly) and its entry.
+cdef object _last_tokenizer = None
+cdef object _last_entry = None
+
+
+def bind(stock, entry_of, dict namespace not None, tuple kinds not None):
+    """Make ``update`` answer for this vLLM: ``stock`` is vLLM's own
+    ``LogprobsProcessor._update_sample_logprobs`` (it answers every call
+    ``update_sample_logprobs`` does not take), ``entry_of(tokenizer)`` gives
+    a tokenizer's ``(texts, correct)`` or None where it cannot key them,
+    ``namespace`` is the globals of vLLM's module (from which
+    ``convert_ids_list_to_tokens`` is read at every call), ``kinds`` is
+    ``(Logprob, FlatLogprobs)``."""
+    global _stock, _entry_of, _namespace, _kinds, _last_tokenizer, _last_entry
+    if not callable(stock):
+        raise TypeError(f"stock must be callable, got {type(stock).__name__}")
+    if not callable(entry_of):
+        raise TypeError(f"entry_of must be callable, got {type(entry_of).__name__}")
+    if len(kinds) != 2:
+        raise ValueError(f"kinds must be (Logprob, FlatLogprobs), got {len(kinds)} items")
+    _stock, _entry_of, _namespace, _kinds = stock, entry_of, namespace, kinds
+    _last_tokenizer = _last_entry = None
+
+
+def update(self, logprobs_lists):
+    """fastbatch's ``LogprobsProcessor._update_sample_logprobs`` (vLLM's
+    signature): ``update_sample_logprobs`` with the processor's tokenizer's
+    table and corrector; vLLM's method (``bind``) where the tokenizer cannot
+    key a table, or the call raises TypeError or ValueError (raised before
+    anything is written)."""
+    global _last_tokenizer, _last_entry
+    if _stock is None:
+        raise RuntimeError("fastbatch's update_sample_logprobs is not bound to vLLM's method "
+                           "(fastbatch.patches.update_sample_logprobs.bind() does it)")
+    tokenizer = self.tokenizer
+    if tokenizer is not None and _last_tokenizer is not None and _last_tokenizer() is tokenizer:
+        entry = _last_entry
+    else:
+        entry = _entry_of(tokenizer)
+        if entry is not None and tokenizer is not None:
+            _last_tokenizer, _last_entry = weakref.ref(tokenizer), entry
+    if entry is not None:
+        texts, correct = entry
+        try:
+            update_sample_logprobs(self, logprobs_lists, texts,
+                                   _namespace["convert_ids_list_to_tokens"], _kinds, correct)
+            return None
+        except (TypeError, ValueError):  # checked before anything was written
+            pass
+    return _stock(self, logprobs_lists)
 
 
 def update_sample_logprobs(processor, logprobs_lists, dict texts not None, convert,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = ["process_output"]
 
+import types
 from typing import Any
 
 from fastbatch._reference._common import Counters
@@ -15,6 +16,13 @@ from fastbatch._reference._common import Counters
 _counters = Counters(("calls", "handled", "finished"))
 stats, reset_stats = _counters.stats, _counters.reset_stats
 _stats = _counters.values
+
+# The EngineCoreOutput fields the turn reads (``error`` is vLLM 0.33.0's:
+# where the class has none, it reads None).
+OUTPUT_FIELDS = ("request_id", "new_token_ids", "new_logprobs", "new_prompt_logprobs_tensors",
+                 "pooling_output", "finish_reason", "stop_reason", "kv_transfer_params",
+                 "ec_transfer_params", "routed_experts", "new_sampling_mask",
+                 "spec_decode_metrics", "prompt_token_id_logprobs", "error")
 
 # Set by bind(): (EngineCoreOutput, whether it has an error field,
 # OutputProcessor, RequestState, LogprobsProcessor, the detokenizer types
@@ -27,8 +35,10 @@ def bind(output_type: type, processor_type: type, state_type: type, logprobs_typ
          detokenizer_types: tuple[type, ...], stop: Any, final_only: Any) -> None:
     """Make ``process_output`` answer for this vLLM: the exact types it
     takes (any other is vLLM's loop body's), ``FinishReason.STOP`` and
-    ``RequestOutputKind.FINAL_ONLY``.  An ``output_type`` without an
-    ``error`` field (vLLM 0.32.0) has no error to look for."""
+    ``RequestOutputKind.FINAL_ONLY``.  Each of ``OUTPUT_FIELDS`` must be an
+    object slot of ``output_type`` (``error`` may be missing: vLLM 0.32.0
+    has none), read through ``object.__getattribute__`` (the compiled turn
+    reads the slots themselves)."""
     global _BOUND
     for name, value in (("output_type", output_type), ("processor_type", processor_type),
                         ("state_type", state_type), ("logprobs_type", logprobs_type)):
@@ -37,6 +47,16 @@ def bind(output_type: type, processor_type: type, state_type: type, logprobs_typ
     if type(detokenizer_types) is not tuple or not all(
             isinstance(kind, type) for kind in detokenizer_types):
         raise TypeError("detokenizer_types must be a tuple of types")
+    if output_type.__getattribute__ is not object.__getattribute__:
+        raise TypeError(f"{output_type.__name__} has its own __getattribute__")
+    for name in OUTPUT_FIELDS:
+        descriptor = next((vars(klass)[name] for klass in output_type.__mro__
+                           if name in vars(klass)), None)
+        if descriptor is None and name == "error":
+            continue
+        if type(descriptor) is not types.MemberDescriptorType:
+            raise TypeError(f"{output_type.__name__}.{name} is not an object slot "
+                            f"({type(descriptor).__name__})")
     _BOUND = (output_type, hasattr(output_type, "error"), processor_type, state_type,
               logprobs_type, detokenizer_types, stop, final_only)
 
@@ -91,11 +111,12 @@ def process_output(processor: Any, output: Any, engine_core_timestamp: Any,
     if spec_decode_metrics is not None:
         req_state.spec_decode_metrics = spec_decode_metrics
     # 2) detokenize, stop strings (track_weight_version and num_output_tokens inlined)
+    # num_output_tokens(), before the update (track_weight_version's too)
+    num_prev_tokens = len(detokenizer.token_ids)
     if new_token_ids and weight_version is not None:
         starts = req_state.weight_version_starts
         if not starts or starts[-1][0] != weight_version:
-            starts.append((weight_version, len(detokenizer.token_ids)))
-    num_prev_tokens = len(detokenizer.token_ids)
+            starts.append((weight_version, num_prev_tokens))
     # None == FinishReason.STOP is False (neither side knows the other)
     stop_string = detokenizer.update(
         new_token_ids, False if finish_reason is None else finish_reason == stop)

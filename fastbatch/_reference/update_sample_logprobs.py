@@ -13,6 +13,7 @@ from __future__ import annotations
 __all__ = ["update_sample_logprobs"]
 
 import sys
+import weakref
 from typing import Any
 
 from fastbatch._reference._common import Counters
@@ -74,6 +75,64 @@ def _context(processor: Any, container: Any, token_ids: list, position: int) -> 
                             f"{type(context).__name__}")
         context = list(context)
     return context + [row[0] for row in token_ids[position - earlier:position]]
+
+
+# Set by bind(): (vLLM's method, the patch's per-tokenizer entry, vLLM's
+# module namespace, kinds); the last tokenizer seen (weakly) and its entry.
+_BOUND: tuple[Any, Any, dict[str, Any], tuple[type, type]] | None = None
+_last: tuple[Any, Any] = (None, None)
+
+
+def bind(stock: Any, entry_of: Any, namespace: dict[str, Any],
+         kinds: tuple[type, type]) -> None:
+    """Make ``update`` answer for this vLLM: ``stock`` is vLLM's own
+    ``LogprobsProcessor._update_sample_logprobs`` (it answers every call
+    ``update_sample_logprobs`` does not take), ``entry_of(tokenizer)`` gives
+    a tokenizer's ``(texts, correct)`` or None where it cannot key them,
+    ``namespace`` is the globals of vLLM's module (from which
+    ``convert_ids_list_to_tokens`` is read at every call), ``kinds`` is
+    ``(Logprob, FlatLogprobs)``."""
+    global _BOUND, _last
+    if not callable(stock):
+        raise TypeError(f"stock must be callable, got {type(stock).__name__}")
+    if not callable(entry_of):
+        raise TypeError(f"entry_of must be callable, got {type(entry_of).__name__}")
+    if type(namespace) is not dict:
+        raise TypeError(f"namespace must be a dict, got {type(namespace).__name__}")
+    if type(kinds) is not tuple:
+        raise TypeError(f"kinds must be a tuple, got {type(kinds).__name__}")
+    if len(kinds) != 2:
+        raise ValueError(f"kinds must be (Logprob, FlatLogprobs), got {len(kinds)} items")
+    _BOUND = (stock, entry_of, namespace, kinds)
+    _last = (None, None)
+
+
+def update(self: Any, logprobs_lists: Any) -> None:
+    """fastbatch's ``LogprobsProcessor._update_sample_logprobs`` (vLLM's
+    signature): ``update_sample_logprobs`` with the processor's tokenizer's
+    table and corrector; vLLM's method (``bind``) where the tokenizer cannot
+    key a table, or the call raises TypeError or ValueError (raised before
+    anything is written)."""
+    global _last
+    if _BOUND is None:
+        raise RuntimeError("fastbatch's update_sample_logprobs is not bound to vLLM's method "
+                           "(fastbatch.patches.update_sample_logprobs.bind() does it)")
+    stock, entry_of, namespace, kinds = _BOUND
+    tokenizer = self.tokenizer
+    ref, entry = _last
+    if tokenizer is None or ref is None or ref() is not tokenizer:
+        entry = entry_of(tokenizer)
+        if entry is not None and tokenizer is not None:
+            _last = (weakref.ref(tokenizer), entry)
+    if entry is not None:
+        texts, correct = entry
+        try:
+            update_sample_logprobs(self, logprobs_lists, texts,
+                                   namespace["convert_ids_list_to_tokens"], kinds, correct)
+            return None
+        except (TypeError, ValueError):  # checked before anything was written
+            pass
+    return stock(self, logprobs_lists)
 
 
 def update_sample_logprobs(processor: Any, logprobs_lists: Any, texts: dict[int, str],
