@@ -2,9 +2,11 @@
 end-to-end test (tools/vllm_generate.py ``--plant-bugs``; tests only).
 
 Each bug wraps the piece's compiled function (``fastbatch.<function>``, which
-the patch calls at run time; ``allocate_slots`` and ``detokenizer_update``,
-whose compiled functions are themselves the installed methods, through their
-patches' ``replacement``, which the shadow check calls) so that it
+the patch calls at run time; ``allocate_slots``, ``detokenizer_update`` and
+``update_sample_logprobs``, whose compiled functions are themselves the
+installed methods, through their patches' ``replacement``, which the shadow
+check calls; ``process_outputs`` through its patch's module, whose function
+the checked turn calls) so that it
 goes wrong only where the piece's activation check never looks: batches of
 more than ``BIG_BATCH`` requests (``SMALL_SPEC_BATCH`` for the spec pieces),
 token ids of at least ``BIG_ID``, requests past ``LATE_TOKENS`` tokens (or
@@ -133,11 +135,38 @@ def _budget_token_short(result, scheduler, req_index, token_budget, input_budget
     return None
 
 
-def _late_cumulative_logprob_off(result, processor, *rest):
+def _late_cumulative_logprob_off() -> None:
     """A request's cumulative logprob one off once it has more than
     ``LATE_TOKENS`` positions (the activation check's have at most nine)."""
-    if len(processor.logprobs) > LATE_TOKENS:
-        processor.cumulative_logprob += 1.0
+    from fastbatch.patches.update_sample_logprobs import PATCH
+
+    real = PATCH.replacement
+
+    def planted(self, logprobs_lists):
+        result = real(self, logprobs_lists)
+        if len(self.logprobs) > LATE_TOKENS:
+            self.cumulative_logprob += 1.0
+        return result
+
+    PATCH.replacement = planted
+
+
+def _late_weight_version_span() -> None:
+    """A weight-version span too many once a request has more than
+    ``LATE_TOKENS`` tokens (the activation check's have at most five): it
+    shows only in the spans of the request's final output, not in its tokens."""
+    from fastbatch.patches import process_outputs
+
+    real = process_outputs._piece.process_output
+
+    def planted(processor, output, *args):
+        state = processor.request_states.get(output.request_id)
+        taken = real(processor, output, *args)
+        if taken and state is not None and len(state.detokenizer.token_ids) > LATE_TOKENS:
+            state.weight_version_starts.append(("planted", 0))
+        return taken
+
+    process_outputs._piece.process_output = planted
 
 
 def _late_text_off() -> None:
@@ -186,9 +215,9 @@ BUGS: dict[str, Callable[[], None]] = {
     "draft_token_ids": lambda: _wrap("draft_token_lists", _first_draft_id_flipped),
     "update_from_output": lambda: _wrap("take_decode_outputs", _first_taken_token_off),
     "schedule_running": lambda: _wrap("schedule_running_requests", _budget_token_short),
-    "update_sample_logprobs": lambda: _wrap("update_sample_logprobs",
-                                            _late_cumulative_logprob_off),
+    "update_sample_logprobs": _late_cumulative_logprob_off,
     "detokenizer_update": _late_text_off,
+    "process_outputs": _late_weight_version_span,
 }
 
 

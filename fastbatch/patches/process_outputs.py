@@ -424,6 +424,8 @@ def _checked(self: Any, output: Any, engine_core_timestamp: Any, iteration_stats
                  request_outputs, reqs_to_abort)
     states = self.request_states
     req_state = states.get(output.request_id) if isinstance(states, dict) else None
+    if any(sibling.divergences for sibling in PATCH.siblings):
+        return False  # the piece went stock: vLLM's body from now on
     if (req_state is None or _verify._suspended
             or (PATCH.verify_rate < 1 and _sample() >= PATCH.verify_rate)):
         return _piece.process_output(*arguments)
