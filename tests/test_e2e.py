@@ -810,15 +810,18 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "unused"])
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.v1.engine.logprobs import LogprobsProcessor
+from vllm.v1.engine.output_processor import OutputProcessor
 print("installed:", getattr(LogprobsProcessor._update_sample_logprobs, "__fastbatch__", False),
-      getattr(OpenAIServingChat._create_chat_logprobs, "__fastbatch__", False))
+      getattr(OpenAIServingChat._create_chat_logprobs, "__fastbatch__", False),
+      getattr(OutputProcessor.process_outputs, "__fastbatch__", False))
 """
 
 
 @pytest.mark.parametrize("switch", ["1", "0"])
 def test_the_api_server_process_installs_the_logprobs_pieces(switch):
-    """Under `vllm serve` the output processor (update_sample_logprobs) and
-    the chat API (chat_logprobs) run in the API server process, which loads
+    """Under `vllm serve` the output processor (update_sample_logprobs,
+    process_outputs) and the chat API (chat_logprobs) run in the API server
+    process, which loads
     the plugins while vLLM builds its argument parser, before vLLM configures
     its logging (so that process shows no "replaced" line): the pieces stand
     there with FASTBATCH=1, and not without."""
@@ -827,4 +830,4 @@ def test_the_api_server_process_installs_the_logprobs_pieces(switch):
                             cwd=OUTSIDE_THE_CHECKOUT, capture_output=True, text=True,
                             timeout=300, check=True)
     on = switch == "1"
-    assert f"installed: {on} {on}" in result.stdout.splitlines()
+    assert f"installed: {on} {on} {on}" in result.stdout.splitlines()

@@ -56,8 +56,11 @@ vLLM's own loop body (``vllm_loop_body``, from the same source) runs on a
 copy of the request's state whose calls answer what was recorded; compared:
 whether the turn was taken, the calls made (the four methods done here
 count as vLLM's own), the outputs and requests to abort appended and the
-state written.  On a divergence the piece runs vLLM's code from the next
-step on (what the calls did stands: they were vLLM's own).
+state written.  On a divergence vLLM's body's outputs, requests to abort
+and writes (weight-version spans, sampling masks, spec-decoding metrics,
+prompt logprobs) are put in place of the turn's; what the calls did stands
+(they were vLLM's own, with the turn's arguments); vLLM's body takes every
+later output.
 """
 
 from __future__ import annotations
@@ -456,11 +459,20 @@ def _checked(self: Any, output: Any, engine_core_timestamp: Any, iteration_stats
         return False  # vLLM's body runs: nothing to check
     ours = (_comparable(record.calls, {}), list(map(id, request_outputs[outputs_before:])),
             list(reqs_to_abort[abort_before:]), _written(req_state, req_state.logprobs_processor))
-    stock = _vllm_turn(arguments, req_state, state, length, record)
+    stock, stock_outputs, stock_aborts = _vllm_turn(arguments, req_state, state, length, record)
     PATCH.checked += 1
     if ours != stock:
         _verify._report_divergence(PATCH, f"fastbatch {ours!r}; vLLM {stock!r}",
                                    {"request_id": output.request_id}, ours, stock)
+        if stock_outputs is not None:  # vLLM's writes in place of the turn's own
+            request_outputs[outputs_before:] = stock_outputs
+            reqs_to_abort[abort_before:] = stock_aborts
+            req_state.weight_version_starts[:] = state.weight_version_starts
+            req_state.sampling_mask_chunks[:] = state.sampling_mask_chunks
+            req_state.spec_decode_metrics = state.spec_decode_metrics
+            if "prompt_token_id_logprobs" in vars(state.logprobs_processor):
+                req_state.logprobs_processor.prompt_token_id_logprobs = \
+                    state.logprobs_processor.prompt_token_id_logprobs
     return True
 
 
@@ -485,10 +497,11 @@ class _Detokenizer:
 
 
 def _vllm_turn(arguments: tuple[Any, ...], live_state: Any, state: Any, length: int,
-               record: _Record) -> tuple[Any, ...]:
+               record: _Record) -> tuple[Any, Any, Any]:
     """vLLM's body on ``state`` (a copy of ``live_state`` as the turn found
     it) whose calls answer what the compiled turn's got: its outcome, as the
-    turn's is compared."""
+    turn's is compared, and the request outputs and requests to abort it
+    appended (None where it raised)."""
     processor, output, timestamp, stats, weight_version, _, _ = arguments
     stand_in = copy.copy(processor)
     stand_in.request_states = {output.request_id: state}
@@ -509,10 +522,11 @@ def _vllm_turn(arguments: tuple[Any, ...], live_state: Any, state: Any, length: 
         _VLLM_BODY(stand_in, output, timestamp, stats, weight_version, request_outputs,
                    reqs_to_abort)
     except Exception as exc:  # vLLM's body on the same answers failed: a difference
-        return (f"vLLM's loop body raised {type(exc).__name__}: {exc}",)
+        return (f"vLLM's loop body raised {type(exc).__name__}: {exc}",), None, None
     same = {id(state): live_state, id(stand_in): processor}
-    return (_comparable(record.replayed, same), list(map(id, request_outputs)),
-            list(reqs_to_abort), _written(state, state.logprobs_processor))
+    return ((_comparable(record.replayed, same), list(map(id, request_outputs)),
+             list(reqs_to_abort), _written(state, state.logprobs_processor)),
+            request_outputs, reqs_to_abort)
 
 
 def _no_replay(function: Any, inputs: Any) -> str:
