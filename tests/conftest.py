@@ -159,6 +159,18 @@ def verify_dir(request, monkeypatch, tmp_path):
     piece.revert()
 
 
+@pytest.fixture
+def checks_every_call(request, monkeypatch, tmp_path):
+    """The test module's ``PIECE``, one that checks inside the method it
+    installs, checking every call (``verify_rate`` 1, its counters at zero)
+    without being applied; reproducers go to tmp_path."""
+    main = request.module.PIECE.main
+    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
+    for name, value in (("verify_rate", 1.0), ("checked", 0), ("divergences", 0),
+                        ("reproducers", [])):
+        monkeypatch.setattr(main, name, value)
+
+
 @pytest.fixture(scope="module")
 def verified_piece(request):
     """The test module's ``PIECE`` stock before and after a module's checked runs."""

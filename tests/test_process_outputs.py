@@ -330,20 +330,9 @@ def test_disable_leaves_it_stock(monkeypatch):
 
 # FASTBATCH_VERIFY ------------------------------------------------------------
 
-@pytest.fixture
-def verified(monkeypatch, tmp_path):
-    """The piece's checks on (``PATCH.verify_rate``), reproducers to tmp_path."""
-    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
-    monkeypatch.setattr(patch.PATCH, "verify_rate", 1.0)
-    monkeypatch.setattr(patch.PATCH, "checked", 0)
-    monkeypatch.setattr(patch.PATCH, "divergences", 0)
-    monkeypatch.setattr(patch.PATCH, "reproducers", [])
-    yield
-
-
 @pytest.mark.parametrize("log_stats", [False, True], ids=["no-stats", "stats"])
 @pytest.mark.parametrize("tokenizer_name", [None, "byte-level", "metaspace"])
-def test_verify_no_false_divergence(verified, tokenizer_name, log_stats):
+def test_verify_no_false_divergence(checks_every_call, tokenizer_name, log_stats):
     if tokenizer_name is None:
         tokenizer, stop, tokens = None, None, patch._TOKENS
     else:
@@ -375,7 +364,7 @@ def _length_taken_for_stop(monkeypatch):
 
 
 @pytest.mark.parametrize("plant", [_drops_the_weight_version, _length_taken_for_stop])
-def test_verify_catches_a_planted_bug(verified, monkeypatch, logs, plant):
+def test_verify_catches_a_planted_bug(checks_every_call, monkeypatch, logs, plant):
     plant(monkeypatch)
     tokenizer = tokenizers()["byte-level"]
     tokens, stop = tokens_and_stop(tokenizer)

@@ -41,6 +41,7 @@ from fastbatch.patches import schedule_running as patch
 from leaks import assert_no_leak
 
 pytestmark = pytest.mark.vllm
+PIECE = registry.piece("schedule_running")
 STOCK = Scheduler.schedule
 TOTAL_STEPS = int(os.environ.get("FASTBATCH_LOCKSTEP_STEPS", "2000"))
 ALL_WORKLOADS = lockstep.WORKLOADS + lockstep.SPEC_WORKLOADS
@@ -340,28 +341,17 @@ def test_plugin_applies_and_reverts():
 
 # FASTBATCH_VERIFY ------------------------------------------------------------
 
-@pytest.fixture
-def verified(monkeypatch, tmp_path):
-    """The piece's checks on (``PATCH.verify_rate``), reproducers to tmp_path."""
-    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
-    monkeypatch.setattr(patch.PATCH, "verify_rate", 1.0)
-    monkeypatch.setattr(patch.PATCH, "checked", 0)
-    monkeypatch.setattr(patch.PATCH, "divergences", 0)
-    monkeypatch.setattr(patch.PATCH, "reproducers", [])
-    yield
-
-
 @pytest.mark.parametrize("workload", [lockstep.WORKLOADS[1], lockstep.WORKLOADS[4],
                                       lockstep.SPEC_WORKLOADS[0], lockstep.SPEC_WORKLOADS[-1]],
                          ids=lambda w: w.name)
-def test_verify_no_false_divergence_in_lockstep(verified, workload):
+def test_verify_no_false_divergence_in_lockstep(checks_every_call, workload):
     _reset()
     lockstep.Lockstep(workload, seed=31, make_fast=make_fast).run(60)
     assert patch.PATCH.checked > 0 and compiled_piece.stats()["requests"] > 0
     assert patch.PATCH.divergences == 0 and patch.PATCH.reproducers == []
 
 
-def test_verify_planted_bug_is_caught_and_vllms_loop_result_stands(verified, monkeypatch,
+def test_verify_planted_bug_is_caught_and_vllms_loop_result_stands(checks_every_call, monkeypatch,
                                                                     logs):
     real = compiled_piece.schedule_running_requests
 
