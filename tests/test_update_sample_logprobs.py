@@ -229,6 +229,22 @@ def test_worked_example(implementation):
                                             "corrected": 2}
 
 
+def test_a_repeated_sampled_token_is_corrected_once_in_a_dict(implementation):
+    """A lone byte sampled and also the top token (greedy): in a dict only the
+    top column's text is kept, so it alone is corrected; in a flat container
+    both entries are kept and both corrected.  Either way the outcome is
+    vLLM's."""
+    lists = (np.array([[0xC3, 0xC3]], dtype=np.int32),
+             np.array([[-0.5, -0.5]], dtype=np.float32), np.array([1]), None)
+    for flat, corrections in ((False, 1), (True, 2)):
+        stock, ours = (VllmProcessor(TEXTS, flat, 1) for _ in range(2))
+        stock.vllm_update(lists)
+        implementation.reset_stats()
+        implementation.update_sample_logprobs(ours, lists, {}, convert, KINDS)
+        assert outcome(ours) == outcome(stock)
+        assert implementation.stats()[NAME]["corrected"] == corrections
+
+
 def test_a_given_correction_is_called_instead_of_the_processors(implementation):
     """With ``correct``, each U+FFFD text kept is ``correct(processor, token,
     context)``, given what the processor's own method would be given; that
@@ -253,7 +269,8 @@ def test_a_given_correction_is_called_instead_of_the_processors(implementation):
         implementation.update_sample_logprobs(ours, logprobs_lists, {}, convert, KINDS,
                                               correct)
     assert outcome(ours) == outcome(stock)
-    assert calls == [(0xC3, []), (0xC3, [65]), (0xA9, [65, 0xC3]), (0xA9, [65, 0xC3])]
+    # the last position's sampled 0xA9 is also its top one: its text is that one's
+    assert calls == [(0xC3, []), (0xC3, [65]), (0xA9, [65, 0xC3])]
 
 
 def test_the_compiled_logprobs_are_left_to_the_collector_untracked():

@@ -344,7 +344,8 @@ def update_sample_logprobs(processor, logprobs_lists, dict texts not None, conve
     ``correct(processor, token, context)``, or without it the processor's
     own ``_correct_decoded_token``, as vLLM's ``_verify_tokens`` does, for every
     entry kept (vLLM also corrects the columns beyond a request's
-    ``num_logprobs + 1`` that it then drops).
+    ``num_logprobs + 1`` that it then drops, and in a dict a sampled token's
+    own entry where a later column repeats it and replaces its text).
 
     Anything this call cannot take as vLLM would (another container or
     dtype, no column, a non-float cumulative logprob...) is a TypeError or
@@ -413,12 +414,17 @@ def update_sample_logprobs(processor, logprobs_lists, dict texts not None, conve
         if num_positions > 0 and (token_ids.cols == 0 or logprobs.cols == 0):
             raise ValueError("logprobs_lists has no column: no sampled token")
 
-        # Pass 1: every text (nothing of the processor is written).
+        # Pass 1: every text kept (nothing of the processor is written).  In
+        # a dict, a sampled token that a later column repeats keeps only that
+        # column's text: vLLM's correction of its own is computed and dropped
+        # (it has no effect), so it is not made here.
         decoded = [None] * (num_positions * kept)
         if tokenizer is not None:
             for p in range(num_positions):
                 context = None
                 for c in range(kept):
+                    if c == 0 and not flat and _sampled_again(&token_ids, p, kept):
+                        continue
                     token = _token(table, _int_at(&token_ids, p, c))
                     text = _text(texts, convert, tokenizer, token)
                     if _unfinished(text):

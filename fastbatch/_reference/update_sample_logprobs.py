@@ -195,12 +195,17 @@ def update_sample_logprobs(processor: Any, logprobs_lists: Any, texts: dict[int,
     if num_positions > 0 and (id_cols == 0 or logprob_cols == 0):
         raise ValueError("logprobs_lists has no column: no sampled token")
 
-    # Pass 1: every text (nothing of the processor is written).
+    # Pass 1: every text kept (nothing of the processor is written).  In a
+    # dict, a sampled token that a later column repeats keeps only that
+    # column's text: vLLM's correction of its own is computed and dropped (it
+    # has no effect), so it is not made here.
     decoded: list[list[str | None]] = [[None] * kept for _ in range(num_positions)]
     if tokenizer is not None:
         for p in range(num_positions):
             context = None
             for c in range(kept):
+                if c == 0 and not flat and token_ids[p][0] in token_ids[p][1:kept]:
+                    continue
                 token = token_ids[p][c]
                 text = _text(texts, convert, tokenizer, token)
                 if text.endswith("\ufffd"):

@@ -27,7 +27,9 @@ what the tokenizer's own ``decode`` returned for the same ids
 back, and a tokenizer's decoding of a list of ids does not change over its
 life either.  (vLLM also corrects the entries of the columns beyond the
 request's ``num_logprobs + 1`` that it then drops, in a batch with a wider
-request; nothing of them is kept, so fastbatch does not compute them.)  A
+request, and in a dict the sampled token's own entry where a top column
+repeats it, greedy sampling's every position, whose text that column's
+replaces; nothing of them is kept, so fastbatch does not compute them.)  A
 processor or input the compiled call does not take (another container
 type, a dtype other than int32/int64 and float32/float64, an unhashable
 tokenizer...) runs vLLM's method.
