@@ -227,6 +227,10 @@ def test_compiled_matches_twin_and_vllm(lookahead, prefill_lookahead, budget, de
 
 
 def _scheduler_and_state(**settings):
+    """The activation check's small scheduler, ``settings`` set on it; the twin's
+    ``allocate_slots`` bound too (the twin loop plans with it), so that a test
+    run alone finds it as a whole run does."""
+    _reference.allocate_slots.bind(STOCK_ALLOCATE, allocate_slots.kinds())
     scheduler, state = patch._small_scheduler(Scheduler, allocate_slots.allocate_slots,
                                               lookahead=0, prefill_lookahead=0, budget=400)
     for name, value in settings.items():
