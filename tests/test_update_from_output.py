@@ -33,6 +33,7 @@ leaks; the plugin, by the piece's name and by its deprecated 0.1 name
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import logging
 import os
@@ -46,7 +47,7 @@ from hypothesis import strategies as st
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
-from vllm.v1.request import RequestStatus
+from vllm.v1.request import Request, RequestStatus
 
 import fastbatch
 from fastbatch import _kernels, _reference, _verify, registry, vllm_plugin
@@ -382,12 +383,14 @@ def test_without_drafts_flag_requests_with_drafts_are_left(implementation):
 # Compiled vs twin on generated states of real requests over a real small KV
 # cache manager (the stand-in scheduler of the activation check).
 
-def _state(cls, caching, specs, stop_every, logprobs=None, runner_logprobs="none"):
+def _state(cls, caching, specs, stop_every, logprobs=None, runner_logprobs="none",
+           requests=None):
     """A stand-in scheduler over real requests (``specs``), its scheduler
     output and runner output; ``logprobs``: each request's sample logprobs
     (else the stand-in requests' own: None, 1, 0, -1); ``runner_logprobs``:
-    the runner's (see ``_runner_logprobs``)."""
-    requests = patch._stand_in_requests()[:len(specs)]
+    the runner's (see ``_runner_logprobs``); ``requests``: the requests (else
+    the stand-in ones, as many as ``specs``)."""
+    requests = requests or patch._stand_in_requests()[:len(specs)]
     for request, value in zip(requests, logprobs or (), strict=False):
         request.sampling_params.logprobs = value
     scheduler = patch._stand_in_scheduler(cls, caching, requests)
@@ -748,6 +751,50 @@ def test_bad_input_changes_nothing(implementation):
     assert implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
                                               patch._KINDS, 0) is None
     assert _plain(None, scheduler) == before
+
+
+class _NotExactlyRequest(Request):
+    """A subclass: the fast path leaves it to vLLM's loop."""
+
+
+def _long_batch(cls):
+    """150 decodes, longer than the compiled call's prefetch pipeline (32
+    requests ahead, in a ring of 64): every 7th unknown to the scheduler,
+    every 11th from 3 on a subclass of Request.  Returns the state and the Requests."""
+    requests = []
+    for index in range(150):
+        request = copy.deepcopy(patch._stand_in_requests()[0])
+        request.request_id = f"r{index}"
+        requests.append(request)
+    specs = [(3, 7, 1, 1, RequestStatus.RUNNING, 10**6)] * len(requests)
+    state = _state(cls, False, specs, False, requests=requests)
+    for index in range(0, len(requests), 7):
+        del state[0].requests[f"r{index}"]
+    for index in range(3, len(requests), 11):
+        requests[index].__class__ = _NotExactlyRequest
+    return state, [r for r in state[0].requests.values() if type(r) is Request]
+
+
+@pytest.mark.parametrize("cls", [Scheduler, AsyncScheduler])
+def test_batches_longer_than_the_prefetch_pipeline(cls):
+    patch._bind()
+    compiled_side, requests = _long_batch(cls)
+    twin_side, _ = _long_batch(cls)
+    compiled = _kernels.take_decode_outputs(*compiled_side, patch._KINDS, 0)
+    twin = _reference.take_decode_outputs(*twin_side, patch._KINDS, 0)
+    assert _plain(compiled, compiled_side[0]) == _plain(twin, twin_side[0])
+    assert len(compiled[1]) == 150 - len(requests)  # every Request known is taken
+
+    def step():
+        assert _kernels.take_decode_outputs(*compiled_side, patch._KINDS, 0) is not None
+        for request in requests:
+            _undo_decode(request)
+
+    for request in requests:
+        _undo_decode(request)
+    step()
+    # The prefetch holds each request and its instance dict for a while.
+    assert_no_leak(step, [*requests, *map(vars, requests)], 200)
 
 
 def _undo_decode(request):

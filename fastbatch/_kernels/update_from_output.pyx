@@ -5,7 +5,9 @@ taken in one call.
 
 The same decisions and effects as ``fastbatch._reference.update_from_output``
 (see its module note for why each condition): a first pass only reads and
-classifies every scheduled request; a second pass applies, to the requests
+classifies every scheduled request (prefetching the requests ahead of
+it, ``_Prefetch``: in the engine their memory is cold after the forward
+pass); a second pass applies, to the requests
 taken, exactly what vLLM's loop would (in-flight count, the rejected drafts
 taken back from the computed and placeholder counts, the tokens appended
 to both token lists, the placeholders resolved) and builds their
@@ -25,7 +27,21 @@ from cpython.object cimport PyObject
 from cpython.slice cimport PySlice_New
 from libc.stdint cimport uint64_t
 
+from fastbatch._kernels._common cimport (
+    Py_DECREF, Py_INCREF, Py_None, Py_SIZE, Py_XDECREF, PyDict_GetItemWithError,
+    PyList_CheckExact, PyLong_CheckExact, long_as_compact)
+from fastbatch._kernels._prefetch cimport prefetch_read
+
 cdef extern from "Python.h":
+    ctypedef struct PyDictObject:
+        void* ma_keys  # public (cpython/dictobject.h); the table is not
+    dict PyObject_GenericGetDict(object o, void* context)
+    # Borrowed-pointer forms for the prefetch stages, which never raise: an
+    # error is cleared (a hint only: pass 1 meets it itself).
+    PyObject* instance_dict "PyObject_GenericGetDict"(PyObject* o, void* context)
+    PyObject* type_of "(PyObject*)Py_TYPE"(PyObject* o)
+    PyObject* dict_get_hint "PyDict_GetItemWithError"(PyObject* mp, PyObject* key)
+    void PyErr_Clear()
     bint PyDict_Next(object p, Py_ssize_t* pos, PyObject** key, PyObject** value)
     int PySequence_Contains(object o, object value) except -1
     const Py_ssize_t PY_SSIZE_T_MAX
@@ -104,6 +120,24 @@ cdef inline bint _int_value(object value, Py_ssize_t* out) except -1:
     return True
 
 
+cdef inline PyObject* _peek(dict attrs, str name) except? NULL:
+    """``attrs[name]`` borrowed (no reference-count write on a cold object),
+    or NULL if it is missing."""
+    return PyDict_GetItemWithError(<PyObject*>attrs, <PyObject*>name)
+
+
+cdef inline bint _int_at(dict attrs, str name, Py_ssize_t* out) except -1:
+    """``_int_value(attrs.get(name), out)``, reading a one-digit int inline."""
+    cdef PyObject* value = _peek(attrs, name)
+    cdef long long number
+    if value == NULL or not PyLong_CheckExact(value):
+        return False
+    if long_as_compact(value, &number):
+        out[0] = <Py_ssize_t>number
+        return True
+    return _int_value(<object>value, out)
+
+
 cdef class _Cache:
     """The KV-cache manager of one step, read once: is ``cache_blocks`` a no-op?"""
     cdef bint caching      # any group caches at all
@@ -179,6 +213,102 @@ cdef class _Hasher:
 cdef _Hasher _hasher = _Hasher()
 
 
+cdef enum:
+    # Requests between two prefetch stages (and from the last to the request's
+    # own reads), and the ring of requests in flight (a power of two > 4 * it).
+    PREFETCH_DISTANCE = 8
+    PREFETCH_RING = 64
+    # The most of a keys table prefetched (a Request's is about 1.5 KB).
+    MAX_PREFETCH_BYTES = 4096
+
+
+cdef class _Prefetch:
+    """Group prefetching of pass 1, a pipeline of stages over the scheduled
+    requests: ``PREFETCH_DISTANCE`` requests ahead of pass 1, the instance
+    dict's keys table (a ``Request`` has more attributes than CPython shares
+    keys for, so each has its own, about 1.5 KB); before that the dict
+    object; before that the request object; before that its id.  After a
+    forward pass these are out of the caches, and each read waits on memory.
+    Only hints: it reads what pass 1 reads, never changes a result, and holds
+    a reference to each object it will come back to."""
+    cdef dict scheduled, requests
+    cdef object request_type
+    cdef Py_ssize_t pos, num_requests, keys_bytes
+    cdef PyObject* ids[PREFETCH_RING]      # borrowed from ``scheduled``
+    cdef PyObject* objects[PREFETCH_RING]  # strong: the request, then its dict
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        for i in range(PREFETCH_RING):
+            Py_XDECREF(self.objects[i])
+
+    cdef void start(self, dict scheduled, dict requests, object request_type) noexcept:
+        cdef Py_ssize_t i
+        self.scheduled, self.requests, self.request_type = scheduled, requests, request_type
+        self.num_requests = len(scheduled)
+        for i in range(-4 * PREFETCH_DISTANCE, 0):
+            self.advance(i)
+
+    cdef void advance(self, Py_ssize_t i) noexcept:
+        """Pass 1 reads request ``i``: each stage moves one request on."""
+        cdef Py_ssize_t j
+        cdef PyObject* key
+        cdef PyObject* value
+        cdef PyObject* obj
+        cdef PyObject* attrs
+        # The request's id (its hash): the lookup in ``requests`` reads it.
+        j = i + 4 * PREFETCH_DISTANCE
+        if 0 <= j < self.num_requests and PyDict_Next(self.scheduled, &self.pos, &key, &value):
+            self.ids[j & (PREFETCH_RING - 1)] = key
+            prefetch_read(key)
+        # The request object, and the instance-dict pointer before it.
+        j = i + 3 * PREFETCH_DISTANCE
+        if 0 <= j < self.num_requests:
+            obj = dict_get_hint(<PyObject*>self.requests, self.ids[j & (PREFETCH_RING - 1)])
+            if obj == NULL:
+                PyErr_Clear()
+            else:
+                Py_INCREF(obj)
+                self.objects[j & (PREFETCH_RING - 1)] = obj
+                prefetch_read(obj)
+                prefetch_read(<char*>obj - 4 * sizeof(void*))
+        # The dict object (it holds the keys table's pointer).
+        j = i + 2 * PREFETCH_DISTANCE
+        if 0 <= j < self.num_requests:
+            obj = self.objects[j & (PREFETCH_RING - 1)]
+            if obj != NULL:
+                attrs = NULL
+                if type_of(obj) == <PyObject*>self.request_type:
+                    attrs = instance_dict(obj, NULL)
+                    if attrs == NULL:
+                        PyErr_Clear()
+                    else:
+                        prefetch_read(attrs)
+                self.objects[j & (PREFETCH_RING - 1)] = attrs
+                Py_DECREF(obj)
+        # The keys table, every line of it.
+        j = i + PREFETCH_DISTANCE
+        if 0 <= j < self.num_requests:
+            attrs = self.objects[j & (PREFETCH_RING - 1)]
+            if attrs != NULL:
+                self.prefetch_keys(attrs)
+        # Pass 1 is on request i: let it go.
+        if 0 <= i < self.num_requests:
+            Py_XDECREF(self.objects[i & (PREFETCH_RING - 1)])
+            self.objects[i & (PREFETCH_RING - 1)] = NULL
+
+    cdef void prefetch_keys(self, PyObject* attrs) noexcept:
+        cdef char* keys = <char*>(<PyDictObject*>attrs).ma_keys
+        cdef Py_ssize_t offset
+        if self.keys_bytes == 0:
+            # The table's size, from the first dict: the requests of an engine
+            # are built alike (a guess for the others costs only time).
+            self.keys_bytes = min(max(1, (<object>attrs).__sizeof__() - sizeof(PyDictObject)),
+                                  MAX_PREFETCH_BYTES)
+        for offset in range(0, self.keys_bytes, 64):
+            prefetch_read(keys + offset)
+
+
 cdef int _classify(dict attrs, object tokens, object drafts, Py_ssize_t num_scheduled,
                    tuple kinds, int variant, Py_ssize_t max_model_len,
                    Py_ssize_t num_spec_tokens, _Cache cache, Py_ssize_t row,
@@ -190,7 +320,12 @@ cdef int _classify(dict attrs, object tokens, object drafts, Py_ssize_t num_sche
     cdef Py_ssize_t stale, in_flight, placeholders, computed, num_tokens, num_output
     cdef Py_ssize_t max_tokens, min_tokens, num_hashes, cache_upto, start, i
     cdef Py_ssize_t num_new, rejected = 0
-    if attrs.get("status") is not kinds[1]:
+    cdef PyObject* mm_features
+    cdef PyObject* output_ids
+    cdef PyObject* all_ids
+    cdef PyObject* hasher
+    cdef PyObject* hashes
+    if _peek(attrs, "status") != <PyObject*>kinds[1]:
         return 0
     if type(tokens) is not list:
         return 0
@@ -203,17 +338,17 @@ cdef int _classify(dict attrs, object tokens, object drafts, Py_ssize_t num_sche
         # one sampled) are rejected; per-request spec metrics go to vLLM.
         if (type(drafts) is not list or num_new < 1
                 or num_new - 1 > PyList_GET_SIZE(drafts)
-                or attrs.get("spec_decode_metrics") is not None):
+                or _peek(attrs, "spec_decode_metrics") != Py_None):
             return 0
         rejected = PyList_GET_SIZE(drafts) - (num_new - 1)
-    if not (_int_value(attrs.get("num_stale_output_tokens"), &stale) and stale == 0):
+    if not (_int_at(attrs, "num_stale_output_tokens", &stale) and stale == 0):
         return 0
-    if not _int_value(attrs.get("num_in_flight_tokens"), &in_flight):
+    if not _int_at(attrs, "num_in_flight_tokens", &in_flight):
         return 0
-    mm_features = attrs.get("mm_features")
-    if type(mm_features) is not list or len(<list>mm_features) != 0:
+    mm_features = _peek(attrs, "mm_features")
+    if mm_features == NULL or not PyList_CheckExact(mm_features) or Py_SIZE(mm_features) != 0:
         return 0
-    if attrs.get("pooling_params") is not None or attrs.get("prefill_stats") is not None:
+    if _peek(attrs, "pooling_params") != Py_None or _peek(attrs, "prefill_stats") != Py_None:
         return 0
     params = attrs.get("sampling_params")
     # ``num_logprobs`` (the property, pinned by the guard) is ``logprobs``:
@@ -234,14 +369,15 @@ cdef int _classify(dict attrs, object tokens, object drafts, Py_ssize_t num_sche
                 return 0  # vLLM's loop, and its error if any
             taken.logprobs_start = start
             taken.has_logprobs = True
-    output_ids = attrs.get("_output_token_ids")
-    all_ids = attrs.get("_all_token_ids")
-    if type(output_ids) is not list or type(all_ids) is not list:
+    output_ids = _peek(attrs, "_output_token_ids")
+    all_ids = _peek(attrs, "_all_token_ids")
+    if (output_ids == NULL or not PyList_CheckExact(output_ids)
+            or all_ids == NULL or not PyList_CheckExact(all_ids)):
         return 0
     # check_stop, after each token is appended: it must say "go on" (the
     # counts only grow: the last token's are checked).
-    num_tokens = PyList_GET_SIZE(all_ids) + num_new
-    num_output = PyList_GET_SIZE(output_ids) + num_new
+    num_tokens = Py_SIZE(all_ids) + num_new
+    num_output = Py_SIZE(output_ids) + num_new
     eos = params._eos_token_id  # the eos_token_id property
     if eos is not None and type(eos) is not int:
         return 0
@@ -253,7 +389,7 @@ cdef int _classify(dict attrs, object tokens, object drafts, Py_ssize_t num_sche
         if type(token) is not int or (eos is not None and eos == token) or (
                 stop_ids and PySequence_Contains(stop_ids, token)):
             return 0
-    if not _int_value(attrs.get("max_tokens"), &max_tokens):
+    if not _int_at(attrs, "max_tokens", &max_tokens):
         return 0
     if num_tokens >= max_model_len or num_output >= max_tokens:
         return 0
@@ -262,17 +398,18 @@ cdef int _classify(dict attrs, object tokens, object drafts, Py_ssize_t num_sche
     if num_output >= min_tokens and params.repetition_detection is not None:
         return 0
     # update_block_hashes: no new full block to hash.
-    hasher = attrs.get("_block_hasher")
-    if hasher is not None:
-        hashes = attrs.get("block_hashes")
-        if type(hashes) is not list or not _hasher.read(hasher, kinds[5]):
+    hasher = _peek(attrs, "_block_hasher")
+    if hasher != NULL and hasher != Py_None:
+        hashes = _peek(attrs, "block_hashes")
+        if (hashes == NULL or not PyList_CheckExact(hashes)
+                or not _hasher.read(<object>hasher, kinds[5])):
             return 0
-        num_hashes = PyList_GET_SIZE(hashes)
+        num_hashes = Py_SIZE(hashes)
         if (num_hashes + 1) * _hasher.block_size <= num_tokens - _hasher.lookahead:
             return 0
     # The rejected drafts, the placeholders and the block caching of this version.
-    if not (_int_value(attrs.get("num_output_placeholders"), &placeholders)
-            and _int_value(attrs.get("num_computed_tokens"), &computed)):
+    if not (_int_at(attrs, "num_output_placeholders", &placeholders)
+            and _int_at(attrs, "num_computed_tokens", &computed)):
         return 0
     taken.in_flight = in_flight - num_scheduled
     taken.placeholders = taken.computed = -1
@@ -347,6 +484,9 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
     if nans is not None and not isinstance(nans, dict):
         raise TypeError(f"num_nans_in_logits must be a dict or None, got {type(nans).__name__}")
     cdef Py_ssize_t max_model_len, num_spec_tokens, num_scheduled, row, count, i, start
+    # EngineCoreOutput's positional arguments, and where the fast path's go
+    cdef list args
+    cdef Py_ssize_t at_id, at_tokens, at_stop, at_events, at_trace, at_nans, at_logprobs
     if not (_int_value(scheduler.max_model_len, &max_model_len)
             and _int_value(scheduler.num_spec_tokens, &num_spec_tokens)):
         return None
@@ -382,21 +522,33 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
     cdef PyObject* key
     cdef PyObject* value
     cdef dict attrs
+    cdef PyObject* client_index
+    cdef bint is_request
+    cdef _Prefetch prefetch = _Prefetch()
     try:
         # Pass 1: read and classify; nothing is changed.
         count = 0
         i = 0
+        prefetch.start(scheduled, requests, kinds[0])
         while PyDict_Next(scheduled, &pos, &key, &value):
+            prefetch.advance(i)
             req_id = <object>key
             num_obj = <object>value
             if type(req_id) is not str:
                 return None  # the slots tell ids (str) from outputs by type
             request = (<dict>requests).get(req_id)
-            if request is not None and request.client_index != 0:
-                return None  # outputs of several front-ends: vLLM's loop orders them
+            # Requests are read and written through their instance dict: every
+            # attribute used is a plain instance attribute (checked on activation).
+            is_request = type(request) is kinds[0]
+            if is_request:
+                attrs = PyObject_GenericGetDict(request, NULL)
+                client_index = _peek(attrs, "client_index")
+                if client_index == NULL or <object>client_index != 0:
+                    return None  # outputs of several front-ends: vLLM's loop orders them
+            elif request is not None and request.client_index != 0:
+                return None
             request_drafts = (<dict>spec_tokens).get(req_id) or None
-            has_grammar = (type(request) is kinds[0]
-                           and request.structured_output_request is not None)
+            has_grammar = is_request and _peek(attrs, "structured_output_request") != Py_None
             if has_grammar and (accept is None or request_drafts is not None):
                 # A grammar to advance, and no accept_tokens to advance it
                 # with (or drafts): vLLM's loop, told before anything else of
@@ -420,10 +572,7 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
             if (type(row_obj) is int and _int_value(row_obj, &row)
                     and 0 <= row < PyList_GET_SIZE(sampled)):
                 tokens = <object>PyList_GET_ITEM(sampled, row)
-            # Requests are read and written through their instance dict: every
-            # attribute used is a plain instance attribute (checked on activation).
-            if tokens is not None and type(request) is kinds[0]:
-                attrs = request.__dict__
+            if tokens is not None and is_request:
                 if _classify(attrs, tokens, request_drafts, num_scheduled, kinds, variant,
                              max_model_len, num_spec_tokens, cache, row, logprobs_mode,
                              cu_rows, &taken[count]):
@@ -443,6 +592,10 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
         # Pass 2: what vLLM's loop does to each request taken, and its output.
         args = list(<tuple>template[0])
         at_id, at_tokens, at_stop, at_events, at_trace, at_nans, at_logprobs = template[1:]
+        for i in (at_id, at_tokens, at_stop, at_events, at_trace, at_nans, at_logprobs):
+            if not 0 <= i < PyList_GET_SIZE(args):
+                raise ValueError(f"kinds[7]: position {i} is outside the "
+                                 f"{PyList_GET_SIZE(args)} template arguments")
         count = 0
         for i in range(num_requests):
             tokens = slots[i]

@@ -174,7 +174,7 @@ REQUEST_ATTRIBUTES = (
     "pooling_params", "structured_output_request", "prefill_stats", "sampling_params",
     "_output_token_ids", "_all_token_ids", "max_tokens", "_block_hasher", "block_hashes",
     "num_output_placeholders", "num_computed_tokens", "request_id", "events", "stop_reason",
-    "trace_headers", "num_nans_in_logits", "spec_decode_metrics")
+    "trace_headers", "num_nans_in_logits", "spec_decode_metrics", "client_index")
 
 # Bound on first use (this module imports no vLLM until then).
 _KINDS: tuple[Any, ...] | None = None
