@@ -164,3 +164,33 @@ cdef int flag_rows(object indices, Py_ssize_t num_rows, unsigned char* flags,
 # or, with ``numpy_rules``, only what numpy's fancy indexing reads the same
 # way: a list of exact ints, an empty sequence, or a 1-D integer buffer
 # (anything else, a list of bools say, is a TypeError).
+
+
+cdef enum:
+    # Requests between two stages of ``RequestPrefetch`` (and from the last
+    # to the request's own reads), and its ring of requests in flight (a power
+    # of two above the deepest stage a piece adds, 4 * the distance).
+    PREFETCH_DISTANCE = 8
+    PREFETCH_RING = 64
+    # The most of a keys table prefetched (a Request's is about 1.5 KB).
+    MAX_PREFETCH_BYTES = 4096
+
+
+cdef class RequestPrefetch:
+    # Group prefetching of a piece's loop over requests (see _common.pyx).
+    cdef object request_type
+    cdef Py_ssize_t keys_bytes
+    cdef PyObject* objects[PREFETCH_RING]  # strong: the request, then its dict
+    cdef void advance(self, Py_ssize_t i, PyObject* request) noexcept
+    cdef void start_in_list(self, list requests, Py_ssize_t first) noexcept
+    cdef void advance_in_list(self, list requests, Py_ssize_t i) noexcept
+    cdef void _prefetch_keys(self, PyObject* attrs) noexcept
+
+
+cdef class ScheduledPrefetch:
+    # RequestPrefetch for a loop over a dict keyed by request id (see _common.pyx).
+    cdef dict scheduled, requests
+    cdef Py_ssize_t pos, num_requests
+    cdef RequestPrefetch stages
+    cdef PyObject* ids[PREFETCH_RING]  # borrowed from ``scheduled``
+    cdef void advance(self, Py_ssize_t i) noexcept

@@ -21,8 +21,20 @@ from cpython.object cimport PyObject
 from libc.stdint cimport int32_t, int64_t
 
 
+from fastbatch._kernels._prefetch cimport prefetch_read
+
+
 cdef extern from "Python.h":
     void* PyMem_RawCalloc(size_t nelem, size_t elsize)
+    ctypedef struct PyDictObject:
+        void* ma_keys  # public (cpython/dictobject.h); the table is not
+    # Borrowed-pointer forms for the prefetch stages, which never raise: an
+    # error is cleared (a hint only: the piece's loop meets it itself).
+    PyObject* instance_dict "PyObject_GenericGetDict"(PyObject* o, void* context)
+    PyObject* type_of "(PyObject*)Py_TYPE"(PyObject* o)
+    PyObject* dict_get_hint "PyDict_GetItemWithError"(PyObject* mp, PyObject* key)
+    bint PyDict_Next(object p, Py_ssize_t* pos, PyObject** key, PyObject** value)
+    void PyErr_Clear()
 
 
 cdef bint LITTLE_ENDIAN = sys.byteorder == "little"
@@ -37,6 +49,123 @@ cdef PyObject** token_table() noexcept:
     if _token_table == NULL:
         _token_table = <PyObject**>PyMem_RawCalloc(TOKEN_CACHE_SIZE, sizeof(PyObject*))
     return _token_table
+
+
+cdef class RequestPrefetch:
+    """Group prefetching of a piece's loop over requests: a pipeline of
+    stages, ``PREFETCH_DISTANCE`` requests apart, ahead of the request the
+    loop reads.  After a forward pass the requests are out of the caches, and
+    each read waits on memory; the stages overlap those waits.
+
+    ``advance(i, request)`` as the loop comes to its request ``i``, with the
+    request it will read ``3 * PREFETCH_DISTANCE`` later (borrowed, NULL for
+    none): that request's object (and the instance-dict pointer before it),
+    then, a distance on, its instance dict, then its dict's keys table (a
+    ``Request`` has more attributes than CPython shares keys for, so each has
+    its own, about 1.5 KB).  Only hints: they read what the loop reads, never
+    change a result, and a reference is held to each object the stages come
+    back to (released as the loop reaches it, or with the prefetcher)."""
+
+    def __cinit__(self, request_type):
+        self.request_type = request_type
+        self.keys_bytes = 0
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        for i in range(PREFETCH_RING):
+            Py_XDECREF(self.objects[i])
+
+    cdef void advance(self, Py_ssize_t i, PyObject* request) noexcept:
+        cdef Py_ssize_t slot
+        cdef PyObject* obj
+        cdef PyObject* attrs
+        # The request object, and the instance-dict pointer before it.
+        slot = (i + 3 * PREFETCH_DISTANCE) & (PREFETCH_RING - 1)
+        Py_XDECREF(self.objects[slot])
+        self.objects[slot] = request
+        if request != NULL:
+            Py_INCREF(request)
+            prefetch_read(request)
+            prefetch_read(<char*>request - 4 * sizeof(void*))
+        # The dict object (it holds the keys table's pointer).
+        slot = (i + 2 * PREFETCH_DISTANCE) & (PREFETCH_RING - 1)
+        obj = self.objects[slot]
+        if obj != NULL:
+            attrs = NULL
+            if type_of(obj) == <PyObject*>self.request_type:
+                attrs = instance_dict(obj, NULL)
+                if attrs == NULL:
+                    PyErr_Clear()
+                else:
+                    prefetch_read(attrs)
+            self.objects[slot] = attrs
+            Py_DECREF(obj)
+        # The keys table, every line of it.
+        attrs = self.objects[(i + PREFETCH_DISTANCE) & (PREFETCH_RING - 1)]
+        if attrs != NULL:
+            self._prefetch_keys(attrs)
+        # The loop is on request i: let it go.
+        slot = i & (PREFETCH_RING - 1)
+        Py_XDECREF(self.objects[slot])
+        self.objects[slot] = NULL
+
+    cdef void start_in_list(self, list requests, Py_ssize_t first) noexcept:
+        """Primed for a loop over ``requests`` from ``requests[first]`` on."""
+        cdef Py_ssize_t i
+        for i in range(first - 3 * PREFETCH_DISTANCE, first):
+            self.advance_in_list(requests, i)
+
+    cdef void advance_in_list(self, list requests, Py_ssize_t i) noexcept:
+        """``advance`` as a loop over ``requests`` comes to ``requests[i]``."""
+        cdef Py_ssize_t ahead = i + 3 * PREFETCH_DISTANCE
+        cdef PyObject* request = NULL
+        if 0 <= ahead < PyList_GET_SIZE(requests):
+            request = <PyObject*>PyList_GET_ITEM(requests, ahead)
+        self.advance(i, request)
+
+    cdef void _prefetch_keys(self, PyObject* attrs) noexcept:
+        cdef char* keys = <char*>(<PyDictObject*>attrs).ma_keys
+        cdef Py_ssize_t offset
+        if self.keys_bytes == 0:
+            # The table's size, from the first dict: the requests of an engine
+            # are built alike (a guess for the others costs only time).
+            self.keys_bytes = min(max(1, (<object>attrs).__sizeof__() - sizeof(PyDictObject)),
+                                  MAX_PREFETCH_BYTES)
+        for offset in range(0, self.keys_bytes, 64):
+            prefetch_read(keys + offset)
+
+
+cdef class ScheduledPrefetch:
+    """``RequestPrefetch`` for a loop over ``scheduled``, a dict keyed by
+    request id (``num_scheduled_tokens``, say), that reads each request from
+    ``requests``: each id (its hash: the lookup reads it) is prefetched a
+    ``PREFETCH_DISTANCE`` before the request's own stages.  Made as the loop
+    starts (primed); ``advance(i)`` as it comes to its ``i``-th item."""
+
+    def __cinit__(self, dict scheduled, dict requests, request_type):
+        cdef Py_ssize_t i
+        self.scheduled, self.requests = scheduled, requests
+        self.stages = RequestPrefetch(request_type)
+        self.num_requests = len(scheduled)
+        self.pos = 0
+        for i in range(-4 * PREFETCH_DISTANCE, 0):
+            self.advance(i)
+
+    cdef void advance(self, Py_ssize_t i) noexcept:
+        cdef Py_ssize_t j
+        cdef PyObject* key
+        cdef PyObject* value
+        cdef PyObject* request = NULL
+        j = i + 4 * PREFETCH_DISTANCE
+        if 0 <= j < self.num_requests and PyDict_Next(self.scheduled, &self.pos, &key, &value):
+            self.ids[j & (PREFETCH_RING - 1)] = key
+            prefetch_read(key)
+        j = i + 3 * PREFETCH_DISTANCE
+        if 0 <= j < self.num_requests:
+            request = dict_get_hint(<PyObject*>self.requests, self.ids[j & (PREFETCH_RING - 1)])
+            if request == NULL:
+                PyErr_Clear()
+        self.stages.advance(i, request)
 
 
 cdef Py_ssize_t as_row_slow(PyObject* req_id, PyObject* prev_index) except -1:

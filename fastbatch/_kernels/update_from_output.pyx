@@ -6,8 +6,8 @@ taken in one call.
 The same decisions and effects as ``fastbatch._reference.update_from_output``
 (see its module note for why each condition): a first pass only reads and
 classifies every scheduled request (prefetching the requests ahead of
-it, ``_Prefetch``: in the engine their memory is cold after the forward
-pass); a second pass applies, to the requests
+it, ``ScheduledPrefetch``: in the engine their memory is cold after the
+forward pass); a second pass applies, to the requests
 taken, exactly what vLLM's loop would (in-flight count, the rejected drafts
 taken back from the computed and placeholder counts, the tokens appended
 to both token lists, the placeholders resolved) and builds their
@@ -28,20 +28,11 @@ from cpython.slice cimport PySlice_New
 from libc.stdint cimport uint64_t
 
 from fastbatch._kernels._common cimport (
-    Py_DECREF, Py_INCREF, Py_None, Py_SIZE, Py_XDECREF, PyDict_GetItemWithError,
-    PyList_CheckExact, PyLong_CheckExact, long_as_compact)
-from fastbatch._kernels._prefetch cimport prefetch_read
+    Py_None, Py_SIZE, PyDict_GetItemWithError, PyList_CheckExact, PyLong_CheckExact,
+    ScheduledPrefetch, long_as_compact)
 
 cdef extern from "Python.h":
-    ctypedef struct PyDictObject:
-        void* ma_keys  # public (cpython/dictobject.h); the table is not
     dict PyObject_GenericGetDict(object o, void* context)
-    # Borrowed-pointer forms for the prefetch stages, which never raise: an
-    # error is cleared (a hint only: pass 1 meets it itself).
-    PyObject* instance_dict "PyObject_GenericGetDict"(PyObject* o, void* context)
-    PyObject* type_of "(PyObject*)Py_TYPE"(PyObject* o)
-    PyObject* dict_get_hint "PyDict_GetItemWithError"(PyObject* mp, PyObject* key)
-    void PyErr_Clear()
     bint PyDict_Next(object p, Py_ssize_t* pos, PyObject** key, PyObject** value)
     int PySequence_Contains(object o, object value) except -1
     const Py_ssize_t PY_SSIZE_T_MAX
@@ -211,102 +202,6 @@ cdef class _Hasher:
 
 
 cdef _Hasher _hasher = _Hasher()
-
-
-cdef enum:
-    # Requests between two prefetch stages (and from the last to the request's
-    # own reads), and the ring of requests in flight (a power of two > 4 * it).
-    PREFETCH_DISTANCE = 8
-    PREFETCH_RING = 64
-    # The most of a keys table prefetched (a Request's is about 1.5 KB).
-    MAX_PREFETCH_BYTES = 4096
-
-
-cdef class _Prefetch:
-    """Group prefetching of pass 1, a pipeline of stages over the scheduled
-    requests: ``PREFETCH_DISTANCE`` requests ahead of pass 1, the instance
-    dict's keys table (a ``Request`` has more attributes than CPython shares
-    keys for, so each has its own, about 1.5 KB); before that the dict
-    object; before that the request object; before that its id.  After a
-    forward pass these are out of the caches, and each read waits on memory.
-    Only hints: it reads what pass 1 reads, never changes a result, and holds
-    a reference to each object it will come back to."""
-    cdef dict scheduled, requests
-    cdef object request_type
-    cdef Py_ssize_t pos, num_requests, keys_bytes
-    cdef PyObject* ids[PREFETCH_RING]      # borrowed from ``scheduled``
-    cdef PyObject* objects[PREFETCH_RING]  # strong: the request, then its dict
-
-    def __dealloc__(self):
-        cdef Py_ssize_t i
-        for i in range(PREFETCH_RING):
-            Py_XDECREF(self.objects[i])
-
-    cdef void start(self, dict scheduled, dict requests, object request_type) noexcept:
-        cdef Py_ssize_t i
-        self.scheduled, self.requests, self.request_type = scheduled, requests, request_type
-        self.num_requests = len(scheduled)
-        for i in range(-4 * PREFETCH_DISTANCE, 0):
-            self.advance(i)
-
-    cdef void advance(self, Py_ssize_t i) noexcept:
-        """Pass 1 reads request ``i``: each stage moves one request on."""
-        cdef Py_ssize_t j
-        cdef PyObject* key
-        cdef PyObject* value
-        cdef PyObject* obj
-        cdef PyObject* attrs
-        # The request's id (its hash): the lookup in ``requests`` reads it.
-        j = i + 4 * PREFETCH_DISTANCE
-        if 0 <= j < self.num_requests and PyDict_Next(self.scheduled, &self.pos, &key, &value):
-            self.ids[j & (PREFETCH_RING - 1)] = key
-            prefetch_read(key)
-        # The request object, and the instance-dict pointer before it.
-        j = i + 3 * PREFETCH_DISTANCE
-        if 0 <= j < self.num_requests:
-            obj = dict_get_hint(<PyObject*>self.requests, self.ids[j & (PREFETCH_RING - 1)])
-            if obj == NULL:
-                PyErr_Clear()
-            else:
-                Py_INCREF(obj)
-                self.objects[j & (PREFETCH_RING - 1)] = obj
-                prefetch_read(obj)
-                prefetch_read(<char*>obj - 4 * sizeof(void*))
-        # The dict object (it holds the keys table's pointer).
-        j = i + 2 * PREFETCH_DISTANCE
-        if 0 <= j < self.num_requests:
-            obj = self.objects[j & (PREFETCH_RING - 1)]
-            if obj != NULL:
-                attrs = NULL
-                if type_of(obj) == <PyObject*>self.request_type:
-                    attrs = instance_dict(obj, NULL)
-                    if attrs == NULL:
-                        PyErr_Clear()
-                    else:
-                        prefetch_read(attrs)
-                self.objects[j & (PREFETCH_RING - 1)] = attrs
-                Py_DECREF(obj)
-        # The keys table, every line of it.
-        j = i + PREFETCH_DISTANCE
-        if 0 <= j < self.num_requests:
-            attrs = self.objects[j & (PREFETCH_RING - 1)]
-            if attrs != NULL:
-                self.prefetch_keys(attrs)
-        # Pass 1 is on request i: let it go.
-        if 0 <= i < self.num_requests:
-            Py_XDECREF(self.objects[i & (PREFETCH_RING - 1)])
-            self.objects[i & (PREFETCH_RING - 1)] = NULL
-
-    cdef void prefetch_keys(self, PyObject* attrs) noexcept:
-        cdef char* keys = <char*>(<PyDictObject*>attrs).ma_keys
-        cdef Py_ssize_t offset
-        if self.keys_bytes == 0:
-            # The table's size, from the first dict: the requests of an engine
-            # are built alike (a guess for the others costs only time).
-            self.keys_bytes = min(max(1, (<object>attrs).__sizeof__() - sizeof(PyDictObject)),
-                                  MAX_PREFETCH_BYTES)
-        for offset in range(0, self.keys_bytes, 64):
-            prefetch_read(keys + offset)
 
 
 cdef int _classify(dict attrs, object tokens, object drafts, Py_ssize_t num_scheduled,
@@ -524,12 +419,12 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
     cdef dict attrs
     cdef PyObject* client_index
     cdef bint is_request
-    cdef _Prefetch prefetch = _Prefetch()
+    cdef ScheduledPrefetch prefetch
     try:
         # Pass 1: read and classify; nothing is changed.
         count = 0
         i = 0
-        prefetch.start(scheduled, requests, kinds[0])
+        prefetch = ScheduledPrefetch(scheduled, requests, kinds[0])
         while PyDict_Next(scheduled, &pos, &key, &value):
             prefetch.advance(i)
             req_id = <object>key
