@@ -139,6 +139,40 @@ def test_compiled_twin_and_vllm_agree(rows, num_running, use_v2, use_pp, previou
     assert _reference.stats()["cached_requests"]["requests"] == counted
 
 
+class _SubRequest(Request):
+    pass
+
+
+def _long_batch():
+    """100 requests, every 7th a ``Request`` subclass (the prefetch skips its
+    dict): longer than the prefetch pipeline (3 * PREFETCH_DISTANCE ahead)."""
+    rows = [(3 + index % 5, index % 3, 5 + index, index % 2, [[index]], "plain")
+            for index in range(100)]
+    requests, new_blocks = _batch(rows)
+    for request in requests[::7]:
+        request.__class__ = _SubRequest
+    return requests, new_blocks
+
+
+def test_batches_longer_than_the_prefetch_pipeline():
+    requests, new_blocks = _long_batch()
+    scheduler = SimpleNamespace(
+        use_pp=False, scheduler_config=SimpleNamespace(async_scheduling=False),
+        use_v2_model_runner=False, prev_step_scheduled_req_ids={"r3", "r50"})
+    args = (requests[:70], requests[70:], {request.request_id: 1 for request in requests}, {},
+            new_blocks)
+    patch._bind()
+    expected = patch.cached_request_state(STOCK(scheduler, *args))
+    compiled = patch.cached_request_state(patch._make_cached_request_data(scheduler, *args))
+    try:
+        fastbatch.cached_request_lists = _reference.cached_request_lists
+        twin = patch.cached_request_state(patch._make_cached_request_data(scheduler, *args))
+    finally:
+        fastbatch.cached_request_lists = _kernels.cached_request_lists
+    assert compiled == expected
+    assert twin == expected
+
+
 # Bad input, leaks ----------------------------------------------------------------
 
 @pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
@@ -171,6 +205,21 @@ def test_no_leaks():
         step()
     gc.collect()
     assert_no_leak(step, [*requests, *new_blocks.values(), previous, KINDS], 2000)
+
+
+def test_no_leaks_over_a_batch_longer_than_the_prefetch_pipeline():
+    requests, new_blocks = _long_batch()
+    previous = {"r1"}
+
+    def step():
+        _kernels.cached_request_lists(requests[:70], requests[70:], new_blocks, previous, KINDS)
+
+    for _ in range(20):
+        step()
+    gc.collect()
+    # The prefetch holds each request and its instance dict for a while.
+    assert_no_leak(step, [*requests, *map(vars, requests), *new_blocks.values(), previous,
+                          KINDS], 200)
 
 
 # Guard, activation check, plugin ----------------------------------------------------

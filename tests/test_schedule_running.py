@@ -226,6 +226,31 @@ def test_compiled_matches_twin_and_vllm(lookahead, prefill_lookahead, budget, de
     assert states[2] == states[0]
 
 
+# Ten copies of the activation check's batch, each request under its own id:
+# longer than the compiled loop's prefetch pipeline (3 * PREFETCH_DISTANCE
+# requests ahead), with every kind of request at every point of it.
+_LONG_BATCH = tuple((f"{row[0]}-{copy}", *row[1:]) for copy in range(10) for row in patch._BATCH)
+
+
+def test_batches_longer_than_the_prefetch_pipeline():
+    """vLLM's loop alone, and the compiled loop and the twin each followed by
+    vLLM's loop, leave the same state over a long batch."""
+    has_drafts = "drafts_needed" in patch._VLLM_LOOP.reads
+    states = []
+    for function, allocate in ((None, allocate_slots.PATCH.original() or STOCK_ALLOCATE),
+                               (compiled_piece.schedule_running_requests,
+                                allocate_slots.allocate_slots),
+                               (twin_piece.schedule_running_requests,
+                                allocate_slots.allocate_slots)):
+        scheduler, state = patch._small_scheduler(Scheduler, allocate, lookahead=0,
+                                                  prefill_lookahead=0, budget=4000,
+                                                  batch=_LONG_BATCH)
+        states.append(patch.run_loops(function, scheduler, state, has_drafts))
+    assert states[1] == states[0]
+    assert states[2] == states[0]
+    assert len(states[1][1]) > 60  # most of the batch scheduled
+
+
 def _scheduler_and_state(**settings):
     """The activation check's small scheduler, ``settings`` set on it; the twin's
     ``allocate_slots`` bound too (the twin loop plans with it), so that a test
@@ -318,6 +343,26 @@ def test_no_leaks():
         call()
     # Each call allocates for the same requests again: nothing new once held.
     assert_no_leak(call, [scheduler], 200)
+
+
+def test_no_leaks_over_a_batch_longer_than_the_prefetch_pipeline():
+    _reference.allocate_slots.bind(STOCK_ALLOCATE, allocate_slots.kinds())
+    scheduler, state = patch._small_scheduler(Scheduler, allocate_slots.allocate_slots,
+                                              lookahead=0, prefill_lookahead=0, budget=4000,
+                                              batch=_LONG_BATCH)
+    state["input_budget"] = 4000
+
+    def call():
+        for request in scheduler.running:
+            request.spec_token_ids = []
+        index, *_ = compiled_piece.schedule_running_requests(scheduler, *_arguments(state),
+                                                             patch._KINDS)
+        assert index > 60
+
+    for _ in range(20):
+        call()
+    # The prefetch holds each request and its instance dict for a while.
+    assert_no_leak(call, [scheduler, *scheduler.running, *map(vars, scheduler.running)], 200)
 
 
 def test_guard_accepts_this_vllm_and_refuses_a_changed_method():

@@ -11,6 +11,8 @@ __all__ = ["cached_request_lists"]
 
 from libc.stdint cimport uint64_t
 
+from fastbatch._kernels._common cimport RequestPrefetch
+
 cdef uint64_t _requests = 0
 
 
@@ -79,7 +81,12 @@ def cached_request_lists(list running_reqs, list resumed_reqs, dict req_to_new_b
     cdef list num_output_tokens = []
     cdef Py_ssize_t num_running = len(running_reqs)
     cdef Py_ssize_t index = 0
-    for request in running_reqs + resumed_reqs:
+    cdef list requests = running_reqs + resumed_reqs
+    # The requests ahead of the loop, prefetched (RequestPrefetch).
+    cdef RequestPrefetch prefetch = RequestPrefetch(request_type)
+    prefetch.start_in_list(requests, 0)
+    for request in requests:
+        prefetch.advance_in_list(requests, index)
         req_id = request.request_id
         req_ids.append(req_id)
         if index >= num_running:

@@ -15,7 +15,7 @@ __all__ = ["schedule_running_requests"]
 from cpython.method cimport PyMethod_Check, PyMethod_GET_FUNCTION, PyMethod_GET_SELF
 from libc.stdint cimport uint64_t
 
-from fastbatch._kernels._common cimport as_index
+from fastbatch._kernels._common cimport RequestPrefetch, as_index
 from fastbatch._kernels.allocate_slots cimport _Manager, allocate_decode, manager_view
 
 cdef uint64_t _requests = 0
@@ -91,7 +91,12 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
     direct = (PyMethod_Check(allocate) and <object>PyMethod_GET_FUNCTION(allocate) is kernel
               and <object>PyMethod_GET_SELF(allocate) is manager)
     any_prefill = prefill_scheduled
+    # The requests ahead of the loop, prefetched (after a forward pass their
+    # memory is cold): the first ones now, then one more each turn.
+    cdef RequestPrefetch prefetch = RequestPrefetch(request_type)
+    prefetch.start_in_list(<list>running, index)
     while index < len(<list>running) and budget > 0:
+        prefetch.advance_in_list(<list>running, index)
         request = (<list>running)[index]
         if inputs <= slots or type(request) is not request_type:
             break

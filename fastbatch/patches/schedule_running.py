@@ -315,16 +315,17 @@ _BLOCK_SIZE, _MAX_MODEL_LEN = 4, 128
 
 
 def _small_scheduler(cls: Any, allocate: Any, *, lookahead: int, prefill_lookahead: int,
-                     budget: int, defer_prefills: bool = False) -> Any:
+                     budget: int, defer_prefills: bool = False,
+                     batch: tuple[tuple[Any, ...], ...] = _BATCH) -> Any:
     """A scheduler of class ``cls`` (built without ``__init__``: the
     attributes the loop reads) over a small real KV-cache manager (prefix
     caching on, ``allocate`` its ``allocate_slots``) holding the blocks of
-    ``_BATCH``'s requests, and the loop's locals."""
+    ``batch``'s requests (rows as ``_BATCH``'s), and the loop's locals."""
     import torch
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    config = KVCacheConfig(num_blocks=120, kv_cache_tensors=[], kv_cache_groups=[
+    config = KVCacheConfig(num_blocks=12 * len(batch), kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=_BLOCK_SIZE, num_kv_heads=1,
                                                       head_size=1, dtype=torch.float32))])
     manager = KVCacheManager(config, max_model_len=_MAX_MODEL_LEN,
@@ -332,7 +333,7 @@ def _small_scheduler(cls: Any, allocate: Any, *, lookahead: int, prefill_lookahe
                              enable_caching=True)
     manager.allocate_slots = MethodType(allocate, manager)
     scheduler = cls.__new__(cls)
-    scheduler.running = [_request(*row) for row in _BATCH]
+    scheduler.running = [_request(*row) for row in batch]
     scheduler.kv_cache_manager = manager
     scheduler.ec_connector, scheduler.need_mamba_block_aligned_split = None, False
     scheduler.current_step, scheduler.max_model_len = 5, _MAX_MODEL_LEN
