@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 
 import pytest
 from vllm.v1.engine import EngineCoreOutput, FinishReason
@@ -268,6 +269,129 @@ def test_no_leaks():
     for _ in range(20):
         call()
     assert_no_leak(call, [processor], 200)
+
+
+# The prefetch of the states ahead (compiled only: hints) -----------------------
+
+_LONG = 100  # requests: longer than the prefetch pipeline (24 outputs ahead)
+
+
+def _long_processor(tokenizer=None, decoding=False):
+    """A processor with ``_LONG`` requests of every output kind, every third
+    with ``logprobs=1``; ``decoding``: past their prefill already."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+
+    processor = OutputProcessor(tokenizer, log_stats=False)
+    kinds = (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA,
+             RequestOutputKind.FINAL_ONLY)
+    for i in range(_LONG):
+        params = SamplingParams(max_tokens=8, logprobs=1 if i % 3 == 0 else None,
+                                output_kind=kinds[i % 3])
+        processor.add_request(EngineCoreRequest(
+            request_id=f"r{i}", prompt_token_ids=[1, 2], mm_features=None,
+            sampling_params=params, pooling_params=None, arrival_time=0.0, lora_request=None,
+            cache_salt=None, data_parallel_rank=None, external_req_id=f"r{i}"), None)
+        processor.request_states[f"r{i}"].is_prefilling = not decoding
+    return processor
+
+
+def _long_step(step, tokens=patch._TOKENS):
+    """The outputs of ``step``: request ``i`` finishes by length at step
+    ``i % 6`` (its state leaves the processor while the states ahead are in
+    flight), and an output of a request gone sits in the middle."""
+    outputs = []
+    for i in range(_LONG):
+        if i % 6 < step:
+            continue
+        token = tokens[(i + step) % len(tokens)]
+        outputs.append(EngineCoreOutput(
+            request_id=f"r{i}", new_token_ids=[token],
+            new_logprobs=patch._logprobs(1, token, step) if i % 3 == 0 else None,
+            finish_reason=FinishReason.LENGTH if i % 6 == step else None))
+        if i == _LONG // 2:
+            outputs.append(EngineCoreOutput(request_id="gone", new_token_ids=[token]))
+    return outputs
+
+
+def _long_run(method, tokenizer=None):
+    processor = _long_processor(tokenizer)
+    steps = []
+    for step in range(6):
+        result = method(processor, _long_step(step), None, None, f"v{step // 2}")
+        steps.append((repr(result.request_outputs), list(result.reqs_to_abort),
+                      [patch._state(state) for state in processor.request_states.values()]))
+    return steps
+
+
+@pytest.mark.parametrize("tokenizer_name", [None, "byte-level"])
+def test_batches_longer_than_the_prefetch_pipeline(piece, tokenizer_name):
+    tokenizer = tokenizers()[tokenizer_name] if tokenizer_name else None
+    piece.reset_stats()
+    assert _long_run(method_of(piece), tokenizer) == _long_run(STOCK, tokenizer)
+    assert piece.stats()["handled"] > 2 * _LONG and piece.stats()["finished"] > _LONG // 2
+
+
+@pytest.mark.parametrize("given", ["the loop's", "reversed", "empty", "none", "not outputs"])
+def test_the_list_only_steers_the_prefetch(given):
+    """The list passed beside each output changes no result, whatever it holds."""
+    expected = _long_processor(decoding=True)
+    processor = _long_processor(decoding=True)
+    for step in range(1, 4):
+        outputs = _long_step(step)
+        listed = {"the loop's": outputs, "reversed": outputs[::-1], "empty": [],
+                  "none": None, "not outputs": ["r1"] * len(outputs)}[given]
+        ours, stock = [], []
+        for output in outputs:
+            compiled_piece.process_output(processor, output, None, None, None, ours, [],
+                                          listed)
+            twin_piece.process_output(expected, output, None, None, None, stock, [])
+        assert repr(ours) == repr(stock)
+    assert [patch._state(state) for state in processor.request_states.values()] == \
+        [patch._state(state) for state in expected.request_states.values()]
+
+
+def _held(states):
+    """The references to each state and to its attribute dict (the
+    prefetch holds the one, then the other)."""
+    return [(sys.getrefcount(state), sys.getrefcount(vars(state))) for state in states]
+
+
+def test_prefetch_holds_no_state_after_the_loop_or_after_a_loop_left_half_way():
+    processor = _long_processor(decoding=True)
+    states = list(processor.request_states.values())
+    held = _held(states)
+    outputs = [EngineCoreOutput(request_id=f"r{i}", new_token_ids=[3]) for i in range(_LONG)]
+    method_of(compiled_piece)(processor, outputs)
+    assert _held(states) == held
+    # A loop left after 10 outputs (vLLM's code raised, say): the states in
+    # flight are held (the pipeline is running) until the next loop is done.
+    for output in outputs[:10]:
+        compiled_piece.process_output(processor, output, None, None, None, [], [], outputs)
+    assert [now[0] for now in _held(states)] != [then[0] for then in held]
+    assert [now[1] for now in _held(states)] != [then[1] for then in held]
+    method_of(compiled_piece)(processor, outputs)
+    assert _held(states) == held
+
+
+def test_no_leaks_over_a_batch_longer_than_the_prefetch_pipeline():
+    processor = _long_processor(decoding=True)
+    outputs = [EngineCoreOutput(request_id=f"r{i}", new_token_ids=[3],
+                                new_logprobs=patch._logprobs(1, 3, 1) if i % 3 == 0 else None)
+               for i in range(_LONG)]
+    method = method_of(compiled_piece)
+
+    def call():
+        method(processor, outputs)
+        for state in processor.request_states.values():
+            state.detokenizer.token_ids.clear()
+            if state.logprobs_processor.logprobs is not None:
+                state.logprobs_processor.logprobs.clear()
+
+    for _ in range(5):
+        call()
+    states = list(processor.request_states.values())
+    assert_no_leak(call, [processor, *states, *map(vars, states)], 20)
 
 
 # The plugin side -------------------------------------------------------------

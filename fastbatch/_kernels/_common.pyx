@@ -79,14 +79,18 @@ cdef class RequestPrefetch:
         cdef Py_ssize_t slot
         cdef PyObject* obj
         cdef PyObject* attrs
+        # Each slot is set before what it held is released: a release may run
+        # arbitrary code, and a prefetcher kept across calls (the output
+        # processor's) may be come back to from it.
         # The request object, and the instance-dict pointer before it.
         slot = (i + 3 * PREFETCH_DISTANCE) & (PREFETCH_RING - 1)
-        Py_XDECREF(self.objects[slot])
+        obj = self.objects[slot]
         self.objects[slot] = request
         if request != NULL:
             Py_INCREF(request)
             prefetch_read(request)
             prefetch_read(<char*>request - 4 * sizeof(void*))
+        Py_XDECREF(obj)
         # The dict object (it holds the keys table's pointer).
         slot = (i + 2 * PREFETCH_DISTANCE) & (PREFETCH_RING - 1)
         obj = self.objects[slot]
@@ -106,8 +110,9 @@ cdef class RequestPrefetch:
             self._prefetch_keys(attrs)
         # The loop is on request i: let it go.
         slot = i & (PREFETCH_RING - 1)
-        Py_XDECREF(self.objects[slot])
+        obj = self.objects[slot]
         self.objects[slot] = NULL
+        Py_XDECREF(obj)
 
     cdef void start_in_list(self, list requests, Py_ssize_t first) noexcept:
         """Primed for a loop over ``requests`` from ``requests[first]`` on."""

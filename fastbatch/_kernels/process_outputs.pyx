@@ -23,10 +23,14 @@ cimport cython
 from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
 
+from fastbatch._kernels._common cimport PREFETCH_DISTANCE, RequestPrefetch
+
 import types
 
 
 cdef extern from "Python.h":
+    PyObject* dict_get_hint "PyDict_GetItemWithError"(PyObject* mp, PyObject* key)
+    void PyErr_Clear()
     ctypedef struct PyMemberDef:
         int type
         Py_ssize_t offset
@@ -67,6 +71,13 @@ cdef object _stop = None
 cdef object _final_only = None
 cdef bint _bound = False
 
+# The request states of the outputs ahead, prefetched (see _follow): the
+# list of outputs being followed (only compared, never read through) and the
+# index in it of the output expected next.
+cdef RequestPrefetch _prefetch = None
+cdef PyObject* _followed = NULL
+cdef Py_ssize_t _next = 0
+
 
 def stats():
     """This piece's counters since import or the last ``reset_stats()``."""
@@ -95,7 +106,7 @@ def bind(output_type, processor_type, state_type, logprobs_type, detokenizer_typ
     object slot of ``output_type`` (``error`` may be missing: vLLM 0.32.0
     has none), read through ``object.__getattribute__``."""
     global _output_type, _processor_type, _state_type, _logprobs_type
-    global _detokenizer_types, _stop, _final_only, _bound
+    global _detokenizer_types, _stop, _final_only, _bound, _prefetch, _followed
     cdef Py_ssize_t offsets[<int>FIELD_COUNT]
     cdef bint raises[<int>FIELD_COUNT]
     cdef PyMemberDef* member
@@ -126,6 +137,7 @@ def bind(output_type, processor_type, state_type, logprobs_type, detokenizer_typ
     _output_type = output_type
     _processor_type, _state_type, _logprobs_type = processor_type, state_type, logprobs_type
     _detokenizer_types, _stop, _final_only = detokenizer_types, stop, final_only
+    _prefetch, _followed = RequestPrefetch(state_type), NULL
     _bound = True
 
 
@@ -158,6 +170,48 @@ cdef inline bint _taken_detokenizer(object detokenizer):
     return False
 
 
+cdef PyObject* _state_at(list outputs, Py_ssize_t j, object request_states) noexcept:
+    """The request state ``outputs[j]``'s turn will read (borrowed), or NULL."""
+    cdef PyObject* output
+    cdef PyObject* req_id
+    cdef PyObject* state
+    if j < 0 or j >= len(outputs):
+        return NULL
+    output = <PyObject*>outputs[j]
+    if type(<object>output) is not _output_type or _offsets[<int>REQUEST_ID] < 0:
+        return NULL
+    req_id = (<PyObject**>((<char*>output) + _offsets[<int>REQUEST_ID]))[0]
+    if req_id == NULL or type(<object>req_id) is not str:
+        return NULL
+    state = dict_get_hint(<PyObject*>request_states, req_id)
+    if state == NULL:
+        PyErr_Clear()
+    return state
+
+
+cdef void _follow(list outputs, object output, object request_states) noexcept:
+    """Advance the prefetch of request states as vLLM's loop over
+    ``outputs`` comes to ``output``: each state (its object, its dict, the
+    dict's keys table) is pulled into the caches ``3 * PREFETCH_DISTANCE``
+    outputs before its turn, while the turns between run.  Only hints: a
+    loop this cannot follow (another list, an output out of order) is simply
+    not prefetched (its states in flight are let go as the next loop runs),
+    and after the list's last output no state is held."""
+    global _followed, _next
+    cdef Py_ssize_t i = _next
+    cdef Py_ssize_t n = len(outputs)
+    cdef Py_ssize_t k
+    if not (<PyObject*>outputs == _followed and i < n and outputs[i] is output):
+        if n == 0 or outputs[0] is not output:
+            return
+        i = 0
+        _followed = <PyObject*>outputs
+        for k in range(-3 * PREFETCH_DISTANCE, 0):
+            _prefetch.advance(k, _state_at(outputs, k + 3 * PREFETCH_DISTANCE, request_states))
+    _prefetch.advance(i, _state_at(outputs, i + 3 * PREFETCH_DISTANCE, request_states))
+    _next = i + 1
+
+
 @cython.wraparound(True)
 cdef object _last(object sequence):
     """``sequence[-1]``, as Python indexes."""
@@ -166,10 +220,12 @@ cdef object _last(object sequence):
 
 def process_output(object processor, object output, object engine_core_timestamp,
                    object iteration_stats, object weight_version, object request_outputs,
-                   object reqs_to_abort):
+                   object reqs_to_abort, object outputs=None):
     """One turn of vLLM's loop in ``OutputProcessor.process_outputs`` for
     ``output``: True when done; False, with nothing changed, for an output
-    vLLM's own loop body must take (see the twin)."""
+    vLLM's own loop body must take (see the twin).  ``outputs``, the list
+    the loop runs over, only steers the prefetch of the request states of
+    the outputs ahead."""
     global _calls, _handled, _finished
     if not _bound:
         raise RuntimeError("fastbatch's process_output is not bound to vLLM's classes "
@@ -179,6 +235,8 @@ def process_output(object processor, object output, object engine_core_timestamp
             or type(request_outputs) is not list or type(reqs_to_abort) is not list):
         return False
     request_states = processor.request_states
+    if type(outputs) is list and type(request_states) is dict:
+        _follow(<list>outputs, output, request_states)
     req_id = _field(output, REQUEST_ID)
     if type(request_states) is not dict or type(req_id) is not str:
         return False

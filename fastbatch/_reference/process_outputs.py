@@ -63,7 +63,7 @@ def bind(output_type: type, processor_type: type, state_type: type, logprobs_typ
 
 def process_output(processor: Any, output: Any, engine_core_timestamp: Any,
                    iteration_stats: Any, weight_version: Any, request_outputs: list[Any],
-                   reqs_to_abort: list[Any]) -> bool:
+                   reqs_to_abort: list[Any], outputs: Any = None) -> bool:
     """One turn of vLLM's loop in ``OutputProcessor.process_outputs`` (vLLM
     0.32.0 to 0.33.0) for ``output``, when it is a generated (not pooling)
     output of a known request in decode (not prefilling, no error, no
@@ -73,7 +73,9 @@ def process_output(processor: Any, output: Any, engine_core_timestamp: Any,
     except where vLLM's code is a known function of what it reads
     (``_update_stats_from_output`` without stats, ``track_weight_version``,
     ``num_output_tokens``, ``LogprobsProcessor.update_from_output``, and
-    ``make_request_output`` for an unfinished ``FINAL_ONLY`` request)."""
+    ``make_request_output`` for an unfinished ``FINAL_ONLY`` request).
+    ``outputs``, the list the loop runs over, only steers the compiled
+    piece's prefetch: nothing here."""
     if _BOUND is None:
         raise RuntimeError("fastbatch's process_output is not bound to vLLM's classes "
                            "(fastbatch.patches.process_outputs.bind() does it)")

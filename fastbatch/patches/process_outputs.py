@@ -7,11 +7,13 @@ with one statement added at the top of the loop's body::
 
     if _fastbatch_process_output(self, engine_core_output, engine_core_timestamp,
                                  iteration_stats, weight_version, request_outputs,
-                                 reqs_to_abort):
+                                 reqs_to_abort, engine_core_outputs):
         continue
 
 The compiled ``fastbatch.process_output`` does the turn and returns True, or
-returns False having changed nothing, and vLLM's body runs as it stands.  It
+returns False having changed nothing, and vLLM's body runs as it stands.
+The list of outputs only lets it prefetch the request states of the outputs
+ahead (after the forward pass they are out of the caches).  It
 takes an output of a known request, not prefilling, with no error, no
 pooling output, no routed experts and no streaming input, whose
 ``OutputProcessor``, ``RequestState``, ``LogprobsProcessor`` and detokenizer
@@ -101,10 +103,12 @@ COMPANION_FINGERPRINTS = {
             "vLLM 0.32.0-0.33.0"},
 }
 
-# The locals and parameters the added call passes, in this order.
+# The locals and parameters the added call passes, in this order (then the
+# list the loop runs over, for the prefetch).
 LOOP_ARGUMENTS = ("self", "engine_core_output", "engine_core_timestamp", "iteration_stats",
                   "weight_version", "request_outputs", "reqs_to_abort")
-_LOOP = "for engine_core_output in engine_core_outputs:"
+_LOOP_LIST = "engine_core_outputs"
+_LOOP = f"for engine_core_output in {_LOOP_LIST}:"
 _HELPER = "_fastbatch_process_output"
 
 # The piece in use: the compiled one, or its twin where it cannot be imported
@@ -139,7 +143,8 @@ def transformed(method: Any, helper: Any) -> Any:
     ``helper``'s call added at the top of the loop's body (see the module
     note).  ValueError where the source is not as expected."""
     tree, _, loop, filename = _loop_tree(method)
-    (call,) = ast.parse(f"if {_HELPER}({', '.join(LOOP_ARGUMENTS)}):\n    continue").body
+    (call,) = ast.parse(
+        f"if {_HELPER}({', '.join(LOOP_ARGUMENTS)}, {_LOOP_LIST}):\n    continue").body
     for node in ast.walk(call):
         ast.copy_location(node, loop.body[0])
     loop.body.insert(0, call)
@@ -420,11 +425,12 @@ def _written(req_state: Any, logprobs: Any) -> tuple[Any, ...]:
 
 
 def _checked(self: Any, output: Any, engine_core_timestamp: Any, iteration_stats: Any,
-             weight_version: Any, request_outputs: list[Any], reqs_to_abort: list[Any]) -> bool:
+             weight_version: Any, request_outputs: list[Any], reqs_to_abort: list[Any],
+             outputs: Any = None) -> bool:
     """The compiled turn; for a sampled output, compared with vLLM's body
     (see the module note)."""
     arguments = (self, output, engine_core_timestamp, iteration_stats, weight_version,
-                 request_outputs, reqs_to_abort)
+                 request_outputs, reqs_to_abort, outputs)
     states = self.request_states
     req_state = states.get(output.request_id) if isinstance(states, dict) else None
     if any(sibling.divergences for sibling in PATCH.siblings):
@@ -502,7 +508,7 @@ def _vllm_turn(arguments: tuple[Any, ...], live_state: Any, state: Any, length: 
     it) whose calls answer what the compiled turn's got: its outcome, as the
     turn's is compared, and the request outputs and requests to abort it
     appended (None where it raised)."""
-    processor, output, timestamp, stats, weight_version, _, _ = arguments
+    processor, output, timestamp, stats, weight_version = arguments[:5]
     stand_in = copy.copy(processor)
     stand_in.request_states = {output.request_id: state}
     for name in _CALLED["processor"]:
