@@ -112,6 +112,20 @@ def _batch(rows):
     return requests, new_blocks
 
 
+def _stock_compiled_and_twin(scheduler, *args):
+    """The cached request data of vLLM's method, of fastbatch's with the
+    compiled piece and with the twin, for the same arguments."""
+    patch._bind()
+    expected = patch.cached_request_state(STOCK(scheduler, *args))
+    compiled = patch.cached_request_state(patch._make_cached_request_data(scheduler, *args))
+    try:
+        fastbatch.cached_request_lists = _reference.cached_request_lists
+        twin = patch.cached_request_state(patch._make_cached_request_data(scheduler, *args))
+    finally:
+        fastbatch.cached_request_lists = _kernels.cached_request_lists
+    return expected, compiled, twin
+
+
 @given(st.lists(_REQUEST, max_size=6), st.integers(0, 6), st.booleans(), st.booleans(),
        st.frozensets(st.integers(0, 6)))
 def test_compiled_twin_and_vllm_agree(rows, num_running, use_v2, use_pp, previous):
@@ -121,17 +135,10 @@ def test_compiled_twin_and_vllm_agree(rows, num_running, use_v2, use_pp, previou
         use_pp=use_pp, scheduler_config=SimpleNamespace(async_scheduling=False),
         use_v2_model_runner=use_v2, prev_step_scheduled_req_ids={f"r{i}" for i in previous})
     scheduled = {request.request_id: 1 for request in requests}
-    args = (running, resumed, scheduled, {}, new_blocks)
-    patch._bind()
-    expected = patch.cached_request_state(STOCK(scheduler, *args))
     _kernels.reset_stats()
     _reference.reset_stats()
-    compiled = patch.cached_request_state(patch._make_cached_request_data(scheduler, *args))
-    try:
-        fastbatch.cached_request_lists = _reference.cached_request_lists
-        twin = patch.cached_request_state(patch._make_cached_request_data(scheduler, *args))
-    finally:
-        fastbatch.cached_request_lists = _kernels.cached_request_lists
+    expected, compiled, twin = _stock_compiled_and_twin(
+        scheduler, running, resumed, scheduled, {}, new_blocks)
     assert compiled == expected
     assert twin == expected
     counted = 0 if use_pp else len(requests)  # the PP branch is vLLM's method
@@ -159,16 +166,9 @@ def test_batches_longer_than_the_prefetch_pipeline():
     scheduler = SimpleNamespace(
         use_pp=False, scheduler_config=SimpleNamespace(async_scheduling=False),
         use_v2_model_runner=False, prev_step_scheduled_req_ids={"r3", "r50"})
-    args = (requests[:70], requests[70:], {request.request_id: 1 for request in requests}, {},
-            new_blocks)
-    patch._bind()
-    expected = patch.cached_request_state(STOCK(scheduler, *args))
-    compiled = patch.cached_request_state(patch._make_cached_request_data(scheduler, *args))
-    try:
-        fastbatch.cached_request_lists = _reference.cached_request_lists
-        twin = patch.cached_request_state(patch._make_cached_request_data(scheduler, *args))
-    finally:
-        fastbatch.cached_request_lists = _kernels.cached_request_lists
+    expected, compiled, twin = _stock_compiled_and_twin(
+        scheduler, requests[:70], requests[70:], {request.request_id: 1 for request in requests},
+        {}, new_blocks)
     assert compiled == expected
     assert twin == expected
 

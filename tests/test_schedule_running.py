@@ -205,12 +205,9 @@ def test_activation_check_refuses_an_attribute_the_instance_dict_would_bypass(mo
     assert problem is not None and f"['{attribute}'] would be bypassed" in problem
 
 
-@pytest.mark.parametrize("lookahead, prefill_lookahead, budget, defer",
-                         [(0, 0, 400, False), (3, 2, 400, True), (3, 0, 21, False),
-                          (1, 0, 5, True)])
-def test_compiled_matches_twin_and_vllm(lookahead, prefill_lookahead, budget, defer):
-    """The activation check's batches: vLLM's loop alone, then the compiled
-    loop and the twin each followed by vLLM's loop, leave the same state."""
+def _stock_compiled_and_twin_states(**settings):
+    """The state vLLM's loop alone leaves, then the compiled loop's and the
+    twin's, each followed by vLLM's loop, on ``patch._small_scheduler(**settings)``."""
     has_drafts = "drafts_needed" in patch._VLLM_LOOP.reads
     states = []
     for function, allocate in ((None, allocate_slots.PATCH.original() or STOCK_ALLOCATE),
@@ -218,10 +215,20 @@ def test_compiled_matches_twin_and_vllm(lookahead, prefill_lookahead, budget, de
                                 allocate_slots.allocate_slots),
                                (twin_piece.schedule_running_requests,
                                 allocate_slots.allocate_slots)):
-        scheduler, state = patch._small_scheduler(Scheduler, allocate, lookahead=lookahead,
-                                                  prefill_lookahead=prefill_lookahead,
-                                                  budget=budget, defer_prefills=defer)
+        scheduler, state = patch._small_scheduler(Scheduler, allocate, **settings)
         states.append(patch.run_loops(function, scheduler, state, has_drafts))
+    return states
+
+
+@pytest.mark.parametrize("lookahead, prefill_lookahead, budget, defer",
+                         [(0, 0, 400, False), (3, 2, 400, True), (3, 0, 21, False),
+                          (1, 0, 5, True)])
+def test_compiled_matches_twin_and_vllm(lookahead, prefill_lookahead, budget, defer):
+    """The activation check's batches: vLLM's loop alone, then the compiled
+    loop and the twin each followed by vLLM's loop, leave the same state."""
+    states = _stock_compiled_and_twin_states(lookahead=lookahead,
+                                             prefill_lookahead=prefill_lookahead,
+                                             budget=budget, defer_prefills=defer)
     assert states[1] == states[0]
     assert states[2] == states[0]
 
@@ -235,17 +242,8 @@ _LONG_BATCH = tuple((f"{row[0]}-{copy}", *row[1:]) for copy in range(10) for row
 def test_batches_longer_than_the_prefetch_pipeline():
     """vLLM's loop alone, and the compiled loop and the twin each followed by
     vLLM's loop, leave the same state over a long batch."""
-    has_drafts = "drafts_needed" in patch._VLLM_LOOP.reads
-    states = []
-    for function, allocate in ((None, allocate_slots.PATCH.original() or STOCK_ALLOCATE),
-                               (compiled_piece.schedule_running_requests,
-                                allocate_slots.allocate_slots),
-                               (twin_piece.schedule_running_requests,
-                                allocate_slots.allocate_slots)):
-        scheduler, state = patch._small_scheduler(Scheduler, allocate, lookahead=0,
-                                                  prefill_lookahead=0, budget=4000,
-                                                  batch=_LONG_BATCH)
-        states.append(patch.run_loops(function, scheduler, state, has_drafts))
+    states = _stock_compiled_and_twin_states(lookahead=0, prefill_lookahead=0, budget=4000,
+                                             batch=_LONG_BATCH)
     assert states[1] == states[0]
     assert states[2] == states[0]
     assert len(states[1][1]) > 60  # most of the batch scheduled

@@ -141,13 +141,18 @@ def bind(output_type, processor_type, state_type, logprobs_type, detokenizer_typ
     _bound = True
 
 
+cdef inline PyObject* _slot(PyObject* output, Field field) noexcept:
+    """``output``'s slot of ``field`` (borrowed; ``output`` of the bound
+    type), NULL where unset or not a field of the class."""
+    cdef Py_ssize_t offset = _offsets[<int>field]
+    if offset < 0:
+        return NULL
+    return (<PyObject**>((<char*>output) + offset))[0]
+
+
 cdef inline object _field(object output, Field field):
     """``output.<field>``, from its slot (``output`` of the bound type)."""
-    cdef Py_ssize_t offset = _offsets[<int>field]
-    cdef PyObject* value
-    if offset < 0:
-        return None
-    value = (<PyObject**>((<char*><PyObject*>output) + offset))[0]
+    cdef PyObject* value = _slot(<PyObject*>output, field)
     if value is NULL:
         if _raises[<int>field]:
             raise AttributeError(OUTPUT_FIELDS[<int>field])
@@ -178,9 +183,9 @@ cdef PyObject* _state_at(list outputs, Py_ssize_t j, object request_states) noex
     if j < 0 or j >= len(outputs):
         return NULL
     output = <PyObject*>outputs[j]
-    if type(<object>output) is not _output_type or _offsets[<int>REQUEST_ID] < 0:
+    if type(<object>output) is not _output_type:
         return NULL
-    req_id = (<PyObject**>((<char*>output) + _offsets[<int>REQUEST_ID]))[0]
+    req_id = _slot(output, REQUEST_ID)
     if req_id == NULL or type(<object>req_id) is not str:
         return NULL
     state = dict_get_hint(<PyObject*>request_states, req_id)
@@ -235,11 +240,11 @@ def process_output(object processor, object output, object engine_core_timestamp
             or type(request_outputs) is not list or type(reqs_to_abort) is not list):
         return False
     request_states = processor.request_states
-    if type(outputs) is list and type(request_states) is dict:
-        _follow(<list>outputs, output, request_states)
     req_id = _field(output, REQUEST_ID)
     if type(request_states) is not dict or type(req_id) is not str:
         return False
+    if type(outputs) is list:
+        _follow(<list>outputs, output, request_states)
     req_state = (<dict>request_states).get(req_id)
     if type(req_state) is not _state_type:
         return False
