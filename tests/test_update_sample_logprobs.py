@@ -295,6 +295,101 @@ def test_the_compiled_logprobs_are_left_to_the_collector_untracked():
     assert all(gc.is_tracked(logprob) for entry in stock.logprobs for logprob in entry.values())
 
 
+def init_calls(make):
+    """The ``__init__`` calls Python sees while ``make()`` runs."""
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "__init__":
+            calls.append(frame.f_code)
+
+    sys.setprofile(profile)
+    try:
+        make()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+PLAIN_LISTS = (np.array([[65, 66], [67, 0xC3]], dtype=np.int32),
+               np.array([[-0.5, -1.0], [-2.0, -0.25]], dtype=np.float32), np.array([3, 2]),
+               None)
+
+
+def test_a_plain_dataclass_logprob_is_made_as_its_init_makes_it():
+    """vLLM's ``Logprob`` is a dataclass of three fields: the compiled call
+    makes each as its ``__init__`` does (``object.__new__``, the attributes
+    stored in the fields' order) without calling it; the same attributes, in
+    the same order, equal objects."""
+    ours = VllmProcessor(TEXTS, False, 1)
+    calls = init_calls(lambda: fastbatch._kernels.update_sample_logprobs(
+        ours, PLAIN_LISTS, {}, convert, KINDS))
+    assert calls == []
+    stock = VllmProcessor(TEXTS, False, 1)
+    stock.vllm_update(PLAIN_LISTS)
+    assert outcome(ours) == outcome(stock)
+    pairs = [(mine, theirs) for entry, expected in zip(ours.logprobs, stock.logprobs,
+                                                       strict=True)
+             for mine, theirs in zip(entry.values(), expected.values(), strict=True)]
+    assert len(pairs) == 4
+    for mine, theirs in pairs:
+        assert type(mine) is Logprob and mine == theirs
+        assert list(vars(mine).items()) == list(vars(theirs).items())
+
+
+@dataclasses.dataclass
+class Reordered:
+    rank: int | None = None
+    logprob: float = 0.0
+    decoded_token: str | None = None
+
+
+class OwnSetattr(Logprob):
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value if name != "decoded_token" else f"<{value}>")
+
+
+@pytest.mark.parametrize("kind", [Reordered, OwnSetattr], ids=["reordered", "own-setattr"])
+def test_a_logprob_type_that_is_not_the_plain_dataclass_is_called(kind):
+    """Any other ``Logprob`` type (other fields or order, its own
+    ``__setattr__``) is called, as vLLM calls it."""
+    ours = VllmProcessor(TEXTS, False, 1)
+    fastbatch._kernels.update_sample_logprobs(ours, PLAIN_LISTS, {}, convert, (kind, Flat))
+    stock = VllmProcessor(TEXTS, False, 1)
+    stock.vllm_update(PLAIN_LISTS)
+    made = [logprob for entry in ours.logprobs for logprob in entry.values()]
+    expected = [logprob for entry in stock.logprobs for logprob in entry.values()]
+    assert [vars(logprob) for logprob in made] == [
+        vars(kind(*dataclasses.astuple(logprob))) for logprob in expected]
+
+
+def test_a_logprob_type_changed_after_a_call_is_checked_again():
+    """The answer for a type is kept only while the type is unchanged: an
+    ``__init__`` set on it later is called."""
+    @dataclasses.dataclass
+    class Changed:
+        logprob: float
+        rank: int | None = None
+        decoded_token: str | None = None
+
+    processor = VllmProcessor(TEXTS, False, 1)
+    run = functools.partial(fastbatch._kernels.update_sample_logprobs, processor, PLAIN_LISTS,
+                            {}, convert, (Changed, Flat))
+    assert init_calls(run) == []
+    plain_init = Changed.__init__
+
+    def __init__(self, logprob, rank=None, decoded_token=None):
+        plain_init(self, logprob, rank, decoded_token)
+        self.seen = True
+
+    Changed.__init__ = __init__
+    calls = init_calls(run)
+    made = [logprob for entry in processor.logprobs[-2:] for logprob in entry.values()]
+    # this __init__ and the dataclass's it calls, for each Logprob made
+    assert len(made) == 4 and calls == [__init__.__code__, plain_init.__code__] * 4
+    assert all(logprob.seen for logprob in made)
+
+
 def test_a_sampled_token_among_the_top_ones_gets_one_logprob():
     """With greedy sampling the sampled id is also the top one: vLLM makes a
     ``Logprob`` for each column, and its dict keeps the sampled token's place
@@ -707,6 +802,40 @@ def test_corrections_decode_each_id_list_once():
     del tokenizer, first, second, stock
     gc.collect()
     assert len(patch._TABLES) == count - 1
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+def test_a_correction_is_made_once_per_token_and_context(monkeypatch):
+    """vLLM's ``_correct_decoded_token`` runs once for a token and a context:
+    the same steps again take every correction from the tokenizer's memo,
+    and the texts are vLLM's each time."""
+    tokenizer = copy.deepcopy(tokenizers()["byte-level"])
+    steps = corrected_steps(tokenizer, "\u0436\u0449 \U0001f41d \u2713")
+    processor_type = sys.modules["vllm.v1.engine.logprobs"].LogprobsProcessor
+    vllm_correct = processor_type._correct_decoded_token
+    made = []
+
+    def counted(self, token_id, context_token_ids):
+        made.append((token_id, tuple(context_token_ids)))
+        return vllm_correct(self, token_id, context_token_ids)
+
+    stock = [real_processor(tokenizer, False, 1) for _ in range(2)]
+    for processor in stock:
+        for lists in steps:
+            vllm_method()(processor, lists)
+    monkeypatch.setattr(processor_type, "_correct_decoded_token", counted)
+    first, second = real_processor(tokenizer, False, 1), real_processor(tokenizer, False, 1)
+    for lists in steps:
+        patch._update_sample_logprobs(first, lists)
+    assert made and len(made) == len(set(made))
+    assert len(patch._tokenizer_entry(tokenizer)[1].corrected) == len(made)
+    del made[:]
+    fastbatch.reset_stats()
+    for lists in steps:
+        patch._update_sample_logprobs(second, lists)
+    assert fastbatch.stats()[NAME]["corrected"] > 0 and not made
+    assert outcome(first) == outcome(second) == outcome(stock[0]) == outcome(stock[1])
 
 
 @pytest.mark.vllm

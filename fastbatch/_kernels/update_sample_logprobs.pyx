@@ -21,12 +21,13 @@ from cpython.buffer cimport PyBUF_RECORDS_RO, PyBuffer_Release, PyObject_GetBuff
 from cpython.dict cimport PyDict_SetItem
 from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.list cimport PyList_Append, PyList_GET_ITEM, PyList_GET_SIZE
-from cpython.object cimport PyObject
+from cpython.object cimport PyObject, PyObject_GenericSetAttr, PyTypeObject
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from cpython.unicode cimport PyUnicode_GET_LENGTH, PyUnicode_READ_CHAR
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.string cimport memcpy
 
+import dataclasses
 import sys
 import weakref
 
@@ -214,6 +215,68 @@ cdef inline bint _sampled_again(const Array* token_ids, Py_ssize_t p, Py_ssize_t
     return False
 
 
+cdef extern from "Python.h":
+    ctypedef struct VersionedType "PyTypeObject":
+        unsigned int tp_version_tag  # changes when the type or a base is changed
+
+# The last Logprob type checked by _plain_dataclass, its version then (0:
+# none, not kept) and the answer.
+cdef object _checked_type = None
+cdef unsigned int _checked_version = 0
+cdef bint _checked_plain = False
+
+
+@dataclasses.dataclass
+class _PlainLogprob:
+    """The ``Logprob`` of vLLM 0.32.0-0.33.0, field for field: a type whose
+    ``__init__`` is the same code makes its instances as ``_new_logprob``."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+cdef bint _plain_dataclass(object kind):
+    """Whether calling ``kind(logprob, rank, decoded_token)`` does no more than
+    ``object.__new__(kind)`` and the three attributes stored in that order
+    (``_new_logprob``): a plain class of ``type`` whose ``__new__`` and
+    ``__setattr__`` are ``object``'s and whose ``__init__`` has the code of
+    ``_PlainLogprob``'s (the dataclass ``__init__`` of those three fields, no
+    ``__post_init__``).  Kept for the last type asked while it is unchanged
+    (its version tag)."""
+    global _checked_type, _checked_version, _checked_plain
+    if (kind is _checked_type and _checked_version != 0
+            and (<VersionedType*>kind).tp_version_tag == _checked_version):
+        return _checked_plain
+    plain = False
+    if type(kind) is type:
+        init = getattr(kind, "__init__", None)
+        code = getattr(init, "__code__", None)
+        reference = _PlainLogprob.__init__.__code__
+        plain = (kind.__new__ is object.__new__ and kind.__setattr__ is object.__setattr__
+                 and code is not None and code.co_code == reference.co_code
+                 and code.co_names == reference.co_names
+                 and code.co_varnames == reference.co_varnames
+                 and code.co_consts == reference.co_consts
+                 and getattr(init, "__kwdefaults__", None) is None)
+    _checked_type, _checked_plain = kind, plain
+    _checked_version = (<VersionedType*>kind).tp_version_tag if type(kind) is type else 0
+    return plain
+
+
+cdef inline object _new_logprob(object kind, bint plain, object value, object rank,
+                                object text):
+    """``kind(value, rank, text)``; for a plain dataclass ``Logprob``
+    (``_plain_dataclass``) what its ``__init__`` does, without the Python
+    frame: ``object.__new__`` and the three attributes stored in its order."""
+    if not plain:
+        return kind(value, rank, text)
+    logprob = (<PyTypeObject*>kind).tp_new(kind, <PyObject*>(), NULL)
+    PyObject_GenericSetAttr(logprob, "logprob", value)
+    PyObject_GenericSetAttr(logprob, "rank", rank)
+    PyObject_GenericSetAttr(logprob, "decoded_token", text)
+    return logprob
+
+
 cdef inline object _token(PyObject** table, int64_t value):
     """The int ``value`` (a shared token-id object, see ``token_object``)."""
     cdef PyObject* item = token_object(table, value)
@@ -395,6 +458,7 @@ def update_sample_logprobs(processor, logprobs_lists, dict texts not None, conve
     cdef bint held_ids = False, held_logprobs = False, held_ranks = False
     cdef Py_ssize_t num_positions, kept, num_ranks, p, c
     cdef bint leaves = True, placed = False
+    cdef bint plain = not flat and _plain_dataclass(logprob_type)
     cdef double total
     cdef PyObject** table = token_table()
     cdef list decoded
@@ -462,7 +526,8 @@ def update_sample_logprobs(processor, logprobs_lists, dict texts not None, conve
                     PyList_Append(lists[4], rank if c == 0 else c)
                     PyList_Append(lists[5], text)
                 else:
-                    logprob = logprob_type(value, rank if c == 0 else c, text)
+                    logprob = _new_logprob(logprob_type, plain, value, rank if c == 0 else c,
+                                           text)
                     if type(logprob) is logprob_type and PyObject_IS_GC(logprob):
                         # A float, an int and a str (or None): nothing for the
                         # collector to find in it (see the patch module).

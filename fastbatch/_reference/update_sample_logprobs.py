@@ -3,9 +3,10 @@
 Same signature, rules, errors and counters as
 ``fastbatch._kernels.update_sample_logprobs``; written for reading, not for speed.
 (The compiled call also leaves its ``Logprob`` objects and dicts untracked by
-the garbage collector, which plain Python cannot do, and makes no ``Logprob``
+the garbage collector, which plain Python cannot do, makes no ``Logprob``
 for a sampled token that a later column of its position repeats, whose entry
-would be replaced; no value differs.)
+would be replaced, and makes a plain dataclass ``Logprob`` as its
+``__init__`` would without calling it; no value differs.)
 """
 
 from __future__ import annotations

@@ -25,14 +25,23 @@ vLLM's tokenizer pool a borrow) are answered from a per-tokenizer memo of
 what the tokenizer's own ``decode`` returned for the same ids
 (``MemoTokenizer``): the same multi-byte characters bring the same lists
 back, and a tokenizer's decoding of a list of ids does not change over its
-life either.  (vLLM also corrects the entries of the columns beyond the
-request's ``num_logprobs + 1`` that it then drops, in a batch with a wider
-request, and in a dict the sampled token's own entry where a top column
-repeats it, greedy sampling's every position, whose text that column's
-replaces; nothing of them is kept, so fastbatch does not compute them.)  A
-processor or input the compiled call does not take (another container
-type, a dtype other than int32/int64 and float32/float64, an unhashable
-tokenizer...) runs vLLM's method.
+life either.  A correction itself is kept by token and context (vLLM's
+method is a function of them and of those ``decode`` answers), so that the
+same character again costs no Python call of vLLM's.  (vLLM also corrects
+the entries of the columns beyond the request's ``num_logprobs + 1`` that
+it then drops, in a batch with a wider request, and in a dict the sampled
+token's own entry where a top column repeats it, greedy sampling's every
+position, whose text that column's replaces; nothing of them is kept, so
+fastbatch does not compute them.)  A processor or input the compiled call
+does not take (another container type, a dtype other than int32/int64 and
+float32/float64, an unhashable tokenizer...) runs vLLM's method.
+
+vLLM's ``Logprob`` is a dataclass of three fields; the compiled call makes
+each as its ``__init__`` does (``object.__new__``, then the three attributes
+stored in order) without the Python frame of that ``__init__``, for a
+``Logprob`` type whose ``__init__`` has exactly that code and whose
+``__new__`` and ``__setattr__`` are ``object``'s (checked, and checked again
+when the type changes); any other type is called.
 
 One thing differs from stock and changes no value: the garbage collector
 does not track the ``Logprob`` objects the compiled call makes (a float, an
@@ -130,7 +139,8 @@ _TABLES: weakref.WeakKeyDictionary[Any, tuple[dict[int, str], Any]] = \
 _last: tuple[Any, dict[int, str], Any] = (lambda: None, {}, None)
 _NO_TEXTS: dict[int, str] = {}  # without a tokenizer no text is looked up
 # Per tokenizer, at most this many texts of the id lists its U+FFFD
-# corrections decoded (the memo is emptied when full): up to about 4 MB.
+# corrections decoded, and as many corrected texts (each memo is emptied
+# when full): up to about 8 MB.
 MEMO_LIMIT = 1 << 14
 
 
@@ -178,20 +188,29 @@ class MemoCorrector:
     """``correct(processor, token, context)`` for one tokenizer's U+FFFD
     corrections: vLLM's ``_correct_decoded_token`` with the processor's
     tokenizer behind this corrector's memo of its decodes (``decodes``, see
-    ``MemoTokenizer``); a processor whose class has its own correction gets
-    that one called."""
+    ``MemoTokenizer``), its texts kept by token and context (``corrected``:
+    that method is a function of the two and of ``decode``'s answers); a
+    processor whose class has its own correction gets that one called."""
 
-    __slots__ = ("decodes",)
+    __slots__ = ("corrected", "decodes")
 
     def __init__(self) -> None:
         self.decodes: dict[tuple[int, ...], str] = {}
+        self.corrected: dict[tuple[int, ...], str] = {}
 
     def __call__(self, processor: Any, token_id: int, context_token_ids: list[int]) -> str:
         vllm_correct = _correct_decoded_token()
         if type(processor)._correct_decoded_token is not vllm_correct:
             return processor._correct_decoded_token(token_id, context_token_ids)
-        return vllm_correct(Lent(MemoTokenizer(self.decodes, processor.tokenizer)), token_id,
-                            context_token_ids)
+        key = (token_id, *context_token_ids)
+        text = self.corrected.get(key)
+        if text is None:
+            text = vllm_correct(Lent(MemoTokenizer(self.decodes, processor.tokenizer)), token_id,
+                                context_token_ids)
+            if len(self.corrected) >= MEMO_LIMIT:
+                self.corrected.clear()
+            self.corrected[key] = text
+        return text
 
 
 def _correct_decoded_token() -> Any:
