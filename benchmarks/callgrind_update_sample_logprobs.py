@@ -1,21 +1,21 @@
 """Instructions of the compiled ``update_sample_logprobs`` call, counted by callgrind.
 
-    valgrind --tool=callgrind python benchmarks/callgrind_update_sample_logprobs.py 1
-    valgrind --tool=callgrind python benchmarks/callgrind_update_sample_logprobs.py 0
+    PYTHONHASHSEED=0 valgrind --tool=callgrind \
+        --toggle-collect='__pyx_pw_*update_sample_logprobs_*update_sample_logprobs' \
+        python benchmarks/callgrind_update_sample_logprobs.py
 
-The first runs 256 stand-in processors (``logprobs=1``, a hot table, one
-position a call, the sampled id also the top one, as greedy sampling makes
-it) for 21 calls each; the second only builds them.  The difference of the
-two "Collected" counts over 256 x 21 is the instructions a call, the loop
-around it included.  No vLLM is needed: the ``Logprob`` is vLLM's dataclass
-of three fields transcribed.  Instruction counts are steady where times on
-these shared machines are not.
+256 stand-in processors (``logprobs=1``, a hot table, one position a call,
+the sampled id also the top one, as greedy sampling makes it), 21 calls
+each; callgrind collects only inside the compiled call, so "Collected" over
+256 x 21 is its instructions a call.  No vLLM is needed: the ``Logprob`` is
+vLLM's dataclass of three fields transcribed.  Instruction counts are
+steady where times on these shared machines are not (the whole process's
+count moves by millions with the hash seed, hence the toggle and the seed).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import numpy as np
 
@@ -45,7 +45,6 @@ class Processor:
 
 
 def main() -> None:
-    calls = int(sys.argv[1]) if len(sys.argv) > 1 else 1
     texts = {token: f"t{token}" for token in range(100, 100 + PROCESSORS)}
     processors = [Processor() for _ in range(PROCESSORS)]
     lists = [(np.array([[token, token]], dtype=np.int64)[0:1],
@@ -53,7 +52,7 @@ def main() -> None:
              for token in texts]
     update = fastbatch._kernels.update_sample_logprobs
     kinds = (Logprob, Flat)
-    for _ in range(CALLS if calls else 0):
+    for _ in range(CALLS):
         for processor, arrays in zip(processors, lists, strict=True):
             update(processor, arrays, texts, None, kinds)
 

@@ -156,6 +156,13 @@ class Lent:
         self.tokenizer = tokenizer
 
 
+def _remember(memo: dict[tuple[int, ...], str], key: tuple[int, ...], text: str) -> None:
+    """``memo[key] = text``, the memo emptied first when it holds ``MEMO_LIMIT``."""
+    if len(memo) >= MEMO_LIMIT:
+        memo.clear()
+    memo[key] = text
+
+
 class MemoTokenizer:
     """``decode(ids)`` of ``tokenizer``, answered from ``decodes`` (a
     tokenizer's memo: the tuple of ids -> what its own ``decode`` returned
@@ -178,9 +185,7 @@ class MemoTokenizer:
         text = self.decodes.get(key)
         if text is None:
             text = self.tokenizer.decode(ids)
-            if len(self.decodes) >= MEMO_LIMIT:
-                self.decodes.clear()
-            self.decodes[key] = text
+            _remember(self.decodes, key, text)
         return text
 
 
@@ -207,9 +212,7 @@ class MemoCorrector:
         if text is None:
             text = vllm_correct(Lent(MemoTokenizer(self.decodes, processor.tokenizer)), token_id,
                                 context_token_ids)
-            if len(self.corrected) >= MEMO_LIMIT:
-                self.corrected.clear()
-            self.corrected[key] = text
+            _remember(self.corrected, key, text)
         return text
 
 
