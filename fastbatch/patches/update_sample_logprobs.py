@@ -239,6 +239,16 @@ def _tokenizer_entry(tokenizer: Any) -> tuple[dict[int, str], Any] | None:
     return entry
 
 
+def forget() -> None:
+    """Empty every tokenizer's table of texts and memos of corrections, as
+    in a new process (benchmarks: every run then meets its ids for the first
+    time)."""
+    for texts, corrector in _TABLES.values():
+        texts.clear()
+        corrector.decodes.clear()
+        corrector.corrected.clear()
+
+
 def texts_of(tokenizer: Any) -> dict[int, str] | None:
     """The table of ``tokenizer``'s texts (``{}`` for no tokenizer), or None
     where a tokenizer cannot key one (unhashable, no weak reference)."""
