@@ -26,8 +26,8 @@ output processor's pieces (the second command) the off side is stock
 ``process_outputs``.  ``--cold`` empties the pieces' per-process tables
 (``forget()`` of their patch modules: ``update_sample_logprobs``' texts)
 before every generate, so that each run meets its ids for the first time, as
-a new process does; without it the tables hold the same run's ids from the
-second round on.  Reported: the medians each way, the median of the paired
+a new process does; without it the warm-up generate (the same requests) has
+filled them with this run's ids.  Reported: the medians each way, the median of the paired
 differences (on - off; negative: the pieces save) and of the paired ratios
 (off / on).  Token ids, texts and logprobs must be the same both ways, and
 each piece's counters must show work when on and none when off, or the
