@@ -62,3 +62,37 @@ def test_collections_are_timed_only_while_installed(timers_module):
     assert collections.calls == 1
     collections.reset()
     assert (collections.seconds, collections.calls) == (0.0, 0)
+
+
+def test_a_late_bound_timer_times_what_the_class_holds_at_each_call(timers_module, monkeypatch):
+    """``time_late_bound`` times an instance's method whatever its class holds
+    when it is called: a method set on the class after the timer (a patch
+    applied or reverted) is called and timed, and other instances are left
+    alone."""
+    made = []
+
+    class Processor:
+        def process(self, value):
+            made.append(("stock", value))
+            return value
+
+    def patched(self, value):
+        made.append(("patched", value))
+        return -value
+
+    timed, other = Processor(), Processor()
+    timers = timers_module.FunctionTimers({})
+    try:
+        timers.time_late_bound("Processor.process", timed, "process")
+        assert timed.process(1) == 1
+        monkeypatch.setattr(Processor, "process", patched)
+        assert timed.process(2) == -2
+        assert other.process(3) == -3
+        report = timers.report()
+    finally:
+        timers.collections.remove()
+    assert made == [("stock", 1), ("patched", 2), ("patched", 3)]
+    assert report["Processor.process"]["calls"] == 2
+    assert report["Processor.process"]["seconds"] > 0
+    (where,) = timers.where["Processor.process"]
+    assert where.endswith("Processor instance .process, late bound")
