@@ -62,6 +62,13 @@ SETTINGS = ("greedy", "repetition", "logprobs=0", "logprobs=1", "logprobs=5")
 INSTANCES = {"OutputProcessor": lambda llm: llm.llm_engine.output_processor}
 
 
+def _forgets(names: list[str]) -> list[Any]:
+    """The ``forget()`` of each named piece's patch module that has one (in
+    the registry's order): what ``--cold`` calls before every generate."""
+    return [registry.piece(name).module.forget for name in registry.NAMES
+            if name in names and hasattr(registry.piece(name).module, "forget")]
+
+
 def _timers(args: argparse.Namespace, llm: Any, pieces: list[Any]) -> Any:
     """A timer on ``--function``: on its class, or, where a piece replaces it,
     late bound on the engine's instance (``INSTANCES``)."""
@@ -97,7 +104,7 @@ def measure(args: argparse.Namespace, model: str) -> tuple[dict, dict]:
     for piece in pieces:
         if not piece.main.is_applied():
             sys.exit(f"{piece.name} was not installed by FASTBATCH=1")
-    forgets = [piece.module.forget for piece in pieces if hasattr(piece.module, "forget")]
+    forgets = _forgets(args.piece) if args.cold else []
     timers = _timers(args, llm, pieces)
     timer = timers.timers[args.function]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.concurrency)]
@@ -115,9 +122,8 @@ def measure(args: argparse.Namespace, model: str) -> tuple[dict, dict]:
             else:
                 for piece in reversed(pieces):
                     piece.revert()
-            if args.cold:
-                for forget in forgets:
-                    forget()
+            for forget in forgets:
+                forget()
             timers.reset()
             fastbatch.reset_stats()
             results = llm.generate(prompts, params, use_tqdm=False)
@@ -157,8 +163,7 @@ def main() -> None:
                              "process's first run)")
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
-    if args.cold and not any(hasattr(registry.piece(name).module, "forget")
-                             for name in args.piece):
+    if args.cold and not _forgets(args.piece):
         parser.error(f"--cold: no table to empty in {', '.join(args.piece)}")
     os.environ.update(VLLM_TARGET_DEVICE="cpu", OMP_NUM_THREADS="1",
                       VLLM_USE_V2_MODEL_RUNNER="0", VLLM_ENABLE_V1_MULTIPROCESSING="0",

@@ -134,18 +134,20 @@ def test_engine_demonstration_runs_and_outputs_match(tmp_path):
     assert result.stdout.rstrip().endswith("engine.md")
 
 
+def piece_ab(out, *arguments):
+    """benchmarks/piece_ab.py, tiny: 8 requests x 8 tokens, 2 pairs, into ``out``."""
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / "piece_ab.py"), *arguments,
+         "--concurrency", "8", "--max-tokens", "8", "--rounds", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, check=False)
+
+
 def test_piece_ab_runs_and_checks_its_piece(tmp_path):
     """benchmarks/piece_ab.py, tiny: detokenizer_update on and off in one
     engine, 8 requests x 8 tokens, 2 pairs; its JSON, not its numbers' sizes.
     A piece without work in the workload (parse_output: no spec decoding)
     ends it non-zero, naming the piece."""
-    def run(out, *arguments):
-        return subprocess.run(
-            [sys.executable, str(BENCHMARKS / "piece_ab.py"), *arguments,
-             "--concurrency", "8", "--max-tokens", "8", "--rounds", "2", "--out", str(out)],
-            capture_output=True, text=True, timeout=300, check=False)
-
-    result = run(tmp_path, "--piece", "detokenizer_update")
+    result = piece_ab(tmp_path, "--piece", "detokenizer_update")
     assert result.returncode == 0, result.stderr[-5000:]
     report = json.loads((tmp_path / "piece_ab.json").read_text())
     assert report["pieces"] == ["detokenizer_update"] and not report["cold"]
@@ -155,7 +157,7 @@ def test_piece_ab_runs_and_checks_its_piece(tmp_path):
     assert all(value > 0 for side in ("on", "off") for value in report["us_per_call"][side])
     assert "paired on - off" in result.stdout
 
-    idle = run(tmp_path / "idle", "--piece", "parse_output")
+    idle = piece_ab(tmp_path / "idle", "--piece", "parse_output")
     assert idle.returncode != 0 and "parse_output had no work" in idle.stderr
 
 
@@ -167,11 +169,7 @@ def test_piece_ab_times_a_replaced_function_both_ways(tmp_path):
     (``--cold``); both sides timed, the logprobs identical.  ``--cold`` with no
     table to empty is refused."""
     pieces = ["process_outputs", "update_sample_logprobs", "detokenizer_update"]
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "piece_ab.py"), "--piece", *pieces,
-         "--settings", "logprobs=1", "--cold", "--concurrency", "8", "--max-tokens", "8",
-         "--rounds", "2", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, check=False)
+    result = piece_ab(tmp_path, "--piece", *pieces, "--settings", "logprobs=1", "--cold")
     assert result.returncode == 0, result.stderr[-5000:]
     report = json.loads((tmp_path / "piece_ab.json").read_text())
     assert report["pieces"] == pieces and report["cold"]
@@ -179,10 +177,7 @@ def test_piece_ab_times_a_replaced_function_both_ways(tmp_path):
     assert all(value > 0 for side in ("on", "off") for value in report["us_per_call"][side])
     assert report["median_ratio"] > 0 and "off / on" in result.stdout
 
-    refused = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "piece_ab.py"), "--piece", "detokenizer_update",
-         "--cold", "--rounds", "1", "--out", str(tmp_path / "refused")],
-        capture_output=True, text=True, timeout=300, check=False)
+    refused = piece_ab(tmp_path / "refused", "--piece", "detokenizer_update", "--cold")
     assert refused.returncode != 0 and "--cold: no table to empty" in refused.stderr
 
 
