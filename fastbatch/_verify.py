@@ -118,9 +118,9 @@ def checked_replacement(patch: Patch, original: Callable[..., Any],
     sample = random.Random().random
 
     def checked(*args: Any, **kwargs: Any) -> Any:
-        if any(sibling.divergences for sibling in patch.siblings):  # the piece went stock
+        if patch.piece_diverged:  # the piece went stock
             return original(*args, **kwargs)
-        if (rate < 1 and sample() >= rate) or _suspended:
+        if _suspended or (rate < 1 and sample() >= rate):
             return replacement(*args, **kwargs)
         inputs = shadow.snapshot(*args, **kwargs)
         if inputs is None:

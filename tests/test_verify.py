@@ -367,3 +367,27 @@ def test_a_piece_without_shadow_stays_stock_under_verify(verify, monkeypatch, lo
         name: name in SHADOWED and name != "async_spec_token_ids" for name in PIECES}
     (warning,) = [line for line in logs.at(logging.WARNING) if spec_patch.PATCH.target in line]
     assert spec_patch.PATCH.target in warning and "no shadow check" in warning
+
+
+def test_a_divergence_in_one_patch_sends_the_whole_piece_to_vllm():
+    """The checked calls of every patch of a piece read one flag: set by a
+    divergence in any of them, cleared when none has one again (a revert
+    and a new apply reset a patch's count)."""
+    from fastbatch.patches._patch import Patch, Shadow
+
+    def check(method, replacement):
+        return None
+
+    unchecked = Shadow(snapshot=lambda: None, run=None, outcome=None, restore=None)
+    first, second = (Patch(f"fastbatch.patches._patch:Patch.{name}", lambda: "fastbatch",
+                           fingerprints={}, activation_check=check, shadow=unchecked)
+                     for name in ("apply", "revert"))
+    first.siblings = second.siblings = (first, second)
+    checked = _verify.checked_replacement(second, lambda: "vLLM", 0.0)
+    assert checked() == "fastbatch" and not second.piece_diverged
+    first.divergences += 1
+    assert first.piece_diverged and second.piece_diverged and checked() == "vLLM"
+    first.divergences = 0
+    assert not second.piece_diverged and checked() == "fastbatch"
+    second.divergences = 2
+    assert first.piece_diverged and checked() == "vLLM"

@@ -104,9 +104,9 @@ class Patch:
         self.requires = requires
         self.acts_under_v2 = self.module.startswith(
             ("vllm.v1.core.", "vllm.v1.engine.", "vllm.entrypoints."))
-        # the patches of the same piece (set by fastbatch.registry): after a
-        # FASTBATCH_VERIFY divergence in any of them, all run vLLM's code
-        self.siblings: tuple[Patch, ...] = (self,)
+        self._divergences = 0
+        self._siblings: tuple[Patch, ...] = (self,)
+        self.piece_diverged = False  # see ``divergences``
         self._original: Any = None
         self._stored: Any = None  # the attribute as stored (a staticmethod, say)
         self._reset_verification()
@@ -116,6 +116,35 @@ class Patch:
         self.checked = 0  # calls compared with vLLM's code
         self.divergences = 0
         self.reproducers: list[str] = []
+
+    @property
+    def divergences(self) -> int:
+        """The calls ``FASTBATCH_VERIFY`` found different from vLLM's.  After
+        one in any patch of the piece (``siblings``), all of them run vLLM's
+        code: ``piece_diverged``, kept for the checked calls to read as one
+        attribute."""
+        return self._divergences
+
+    @divergences.setter
+    def divergences(self, value: int) -> None:
+        self._divergences = value
+        self._share_divergence()
+
+    @property
+    def siblings(self) -> tuple[Patch, ...]:
+        """The patches of the same piece, this one included (set by
+        ``fastbatch.registry``)."""
+        return self._siblings
+
+    @siblings.setter
+    def siblings(self, patches: tuple[Patch, ...]) -> None:
+        self._siblings = tuple(patches)
+        self._share_divergence()
+
+    def _share_divergence(self) -> None:
+        diverged = any(sibling._divergences for sibling in self._siblings)
+        for sibling in self._siblings:
+            sibling.piece_diverged = diverged
 
     def original(self) -> Any:
         """vLLM's own code while the patch is applied, else None."""

@@ -429,14 +429,16 @@ def _checked(self: Any, output: Any, engine_core_timestamp: Any, iteration_stats
              outputs: Any = None) -> bool:
     """The compiled turn; for a sampled output, compared with vLLM's body
     (see the module note)."""
+    if PATCH.piece_diverged:
+        return False  # the piece went stock: vLLM's body from now on
+    if _verify._suspended or (PATCH.verify_rate < 1 and _sample() >= PATCH.verify_rate):
+        return _piece.process_output(self, output, engine_core_timestamp, iteration_stats,
+                                     weight_version, request_outputs, reqs_to_abort, outputs)
     arguments = (self, output, engine_core_timestamp, iteration_stats, weight_version,
                  request_outputs, reqs_to_abort, outputs)
     states = self.request_states
     req_state = states.get(output.request_id) if isinstance(states, dict) else None
-    if any(sibling.divergences for sibling in PATCH.siblings):
-        return False  # the piece went stock: vLLM's body from now on
-    if (req_state is None or _verify._suspended
-            or (PATCH.verify_rate < 1 and _sample() >= PATCH.verify_rate)):
+    if req_state is None:
         return _piece.process_output(*arguments)
     # The request's state as the turn finds it, for vLLM's body.
     state = copy.copy(req_state)
