@@ -181,11 +181,10 @@ def test_piece_ab_times_a_replaced_function_both_ways(tmp_path):
     assert refused.returncode != 0 and "--cold: no table to empty" in refused.stderr
 
 
-
 def test_piece_ab_measures_what_checking_costs(tmp_path):
     """``--verify RATE``: the pieces checked at RATE against the same pieces
-    unchecked (no stock side); at 1 every call of each piece's checked runs
-    is checked, without a divergence.  A rate of 0 is refused."""
+    unchecked (no stock side); at 1 each piece checks calls in every checked
+    run, without a divergence.  A rate of 0 is refused."""
     pieces = ["process_outputs", "update_sample_logprobs", "detokenizer_update"]
     result = piece_ab(tmp_path, "--piece", *pieces, "--settings", "logprobs=1",
                       "--verify", "1")
@@ -198,6 +197,7 @@ def test_piece_ab_measures_what_checking_costs(tmp_path):
 
     refused = piece_ab(tmp_path / "refused", "--piece", "detokenizer_update", "--verify", "0")
     assert refused.returncode != 0 and "--verify: a share of calls" in refused.stderr
+
 
 CHECK_IDENTICAL = """
 import sys
