@@ -439,6 +439,27 @@ def test_plugin_applies_and_reverts():
     assert OutputProcessor.process_outputs is STOCK
 
 
+def test_each_call_is_one_step_of_the_sample_logprobs_texts(monkeypatch):
+    """The installed method runs vLLM's loop inside ``update_sample_logprobs.STEP``
+    (its first-sight texts then borrow a tokenizer pool's copy once for the
+    call), left when the loop returns or raises."""
+    from fastbatch.patches import update_sample_logprobs
+
+    depths = []
+
+    def loop(*arguments):
+        depths.append(update_sample_logprobs.STEP.depth)
+        if len(depths) == 2:
+            raise RuntimeError("vLLM's loop failed")
+        return "outputs"
+
+    monkeypatch.setattr(patch, "_FAST", loop)
+    assert patch.process_outputs(None, []) == "outputs"
+    with pytest.raises(RuntimeError, match="loop failed"):
+        patch.process_outputs(None, [])
+    assert depths == [1, 1] and update_sample_logprobs.STEP.depth == 0
+
+
 def test_disable_leaves_it_stock(monkeypatch):
     from fastbatch import vllm_plugin
 

@@ -622,8 +622,7 @@ def bound(implementation):
     """The implementation's module, its installed method (``update``) bound
     as the patch binds the compiled one."""
     module = implementation.PIECES[NAME]
-    module.bind(vllm_method(), patch._tokenizer_entry,
-                vars(sys.modules["vllm.v1.engine.logprobs"]), patch._kinds())
+    module.bind(vllm_method(), patch._tokenizer_entry, patch._convert, patch._kinds())
     return module
 
 
@@ -712,10 +711,9 @@ def test_the_installed_method_follows_the_processors_tokenizer(implementation):
 def test_bind_refuses_bad_input_and_keeps_the_binding(implementation):
     module = bound(implementation)
     update = module.update
-    good = (vllm_method(), patch._tokenizer_entry,
-            vars(sys.modules["vllm.v1.engine.logprobs"]), patch._kinds())
+    good = (vllm_method(), patch._tokenizer_entry, patch._convert, patch._kinds())
     for position, bad, error in ((0, None, TypeError), (1, "entry", TypeError),
-                                 (2, [], TypeError), (3, (Logprob,), ValueError)):
+                                 (2, "convert", TypeError), (3, (Logprob,), ValueError)):
         arguments = list(good)
         arguments[position] = bad
         with pytest.raises(error):
@@ -838,6 +836,121 @@ def test_a_correction_is_made_once_per_token_and_context(monkeypatch):
     assert outcome(first) == outcome(second) == outcome(stock[0]) == outcome(stock[1])
 
 
+def counted_borrows(tokenizer):
+    """A fresh copy of a vLLM pool tokenizer (its pool of one copy: its
+    ``__reduce__``), its queue, and the list its borrows are appended to."""
+    tokenizer = copy.deepcopy(tokenizer)
+    queue = pool_queue(tokenizer)
+    borrows = []
+    get_nowait = queue.get_nowait
+    queue.get_nowait = lambda: borrows.append(1) or get_nowait()
+    return tokenizer, queue, borrows
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+@pytest.mark.parametrize("tokenizer_name", ["byte-level", "metaspace"])
+def test_a_step_borrows_from_each_pool_once(tokenizer_name):
+    """Within a ``STEP`` (the ``process_outputs`` piece's call) the texts and
+    the corrections of every processor of a pool tokenizer come from one copy,
+    borrowed at the first text met and put back when the step ends; the
+    texts are vLLM's, which borrows once per text.  Outside a step each
+    first sight borrows, as vLLM does."""
+    tokenizer, queue, borrows = counted_borrows(tokenizers()[tokenizer_name])
+    steps = corrected_steps(tokenizer, "\u0436\u0449 \U0001f41d \u2713 caf\u00e9")
+    ours = [real_processor(tokenizer, flat, 1) for flat in (False, True)]
+    stock = [real_processor(tokenizer, flat, 1) for flat in (False, True)]
+    del borrows[:]  # the encoding's
+    with patch.STEP:
+        assert not borrows  # borrowed when needed, not before
+        for lists in steps:
+            for processor in ours:
+                patch._update_sample_logprobs(processor, lists)
+        assert len(borrows) == 1 and queue.qsize() == 0  # held for the step
+    assert queue.qsize() == 1 and not patch.STEP.lent
+    del borrows[:]
+    for lists in steps:
+        for processor in stock:
+            vllm_method()(processor, lists)
+    assert len(borrows) > len(steps)
+    assert [outcome(processor) for processor in ours] == [outcome(p) for p in stock]
+    fastbatch.reset_stats()
+    patch.forget()
+    del borrows[:]
+    for lists in steps:  # no step: a borrow per text met, as vLLM's
+        patch._update_sample_logprobs(real_processor(tokenizer, False, 1), lists)
+    assert len(borrows) >= fastbatch.stats()[NAME]["decoded"] > 1
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+def test_a_step_puts_its_copy_back_when_the_step_raises():
+    tokenizer, queue, borrows = counted_borrows(tokenizers()["byte-level"])
+    lists = corrected_steps(tokenizer, "\u0436")[0]
+    del borrows[:]  # the encoding's
+    with pytest.raises(RuntimeError, match="the step failed"), patch.STEP:
+        with patch.STEP:  # nested: the outer step keeps the copy
+            patch._update_sample_logprobs(real_processor(tokenizer, False, 1), lists)
+        assert queue.qsize() == 0
+        raise RuntimeError("the step failed")
+    assert len(borrows) == 1 and queue.qsize() == 1
+    assert patch.STEP.depth == 0 and not patch.STEP.lent
+
+
+@pytest.mark.vllm
+def test_a_step_lends_on_its_own_thread_only():
+    import threading
+
+    tokenizer = copy.deepcopy(tokenizers()["byte-level"])
+    seen = []
+    with patch.STEP:
+        lender = patch.lent(tokenizer)
+        assert isinstance(lender, patch.PoolLender) and patch.lent(tokenizer) is lender
+        thread = threading.Thread(target=lambda: seen.append(patch.lent(tokenizer)))
+        thread.start()
+        thread.join()
+    assert seen == [tokenizer]
+    assert patch.lent(tokenizer) is tokenizer  # after the step
+
+
+@pytest.mark.vllm
+def test_a_lender_is_its_pool_tokenizer_but_for_the_two_borrowed_methods():
+    """Its ``decode`` and ``convert_ids_to_tokens`` are the borrowed copy's;
+    any other attribute read or written is the pool tokenizer's."""
+    tokenizer = copy.deepcopy(tokenizers()["metaspace"])
+    ids = tokenizer.encode("caf\u00e9 cr\u00e8me", add_special_tokens=False)
+    with patch.STEP:
+        lender = patch.lent(tokenizer)
+        borrowed = lender._copy
+        assert borrowed is not tokenizer and type(borrowed) is not type(tokenizer)
+        assert lender.decode(ids) == tokenizer.decode(ids)
+        assert lender.convert_ids_to_tokens(ids) == tokenizer.convert_ids_to_tokens(ids)
+        assert lender.backend_tokenizer is tokenizer.backend_tokenizer
+        lender.fastbatch_test_mark = 7
+    assert tokenizer.fastbatch_test_mark == 7
+    assert not hasattr(borrowed, "fastbatch_test_mark")
+
+
+@pytest.mark.vllm
+def test_only_a_tokenizer_of_vllms_pool_is_lent():
+    """``pool_borrow`` takes a class made by vLLM's ``maybe_make_thread_pool``
+    (its methods that factory's code) and nothing else."""
+    pooled = tokenizers()["byte-level"]
+    assert patch.pool_borrow(pooled) is not None
+    assert patch.pool_borrow(copy.deepcopy(pooled)) is not patch.pool_borrow(pooled)
+
+    class OwnDecode(type(pooled)):
+        def decode(self, *args, **kwargs):
+            return super().decode(*args, **kwargs)
+
+    unpooled = copy.copy(pooled)
+    unpooled.__class__ = type(pooled).__mro__[1]  # the tokenizer the pool wraps
+    for tokenizer in (patch.ByteTokenizer(), None, unpooled, OwnDecode.__new__(OwnDecode)):
+        assert patch.pool_borrow(tokenizer) is None
+        with patch.STEP:
+            assert patch.lent(tokenizer) is tokenizer
+
+
 @pytest.mark.vllm
 @pytest.mark.usefixtures("stock_vllm")
 def test_forget_empties_every_table_as_in_a_new_process():
@@ -914,6 +1027,7 @@ def test_a_table_per_tokenizer_that_goes_with_it():
     table = patch.texts_of(first)
     assert patch.texts_of(first) is table and patch.texts_of(second) is not table
     assert patch.texts_of(None) == {}
+    gc.collect()  # earlier tests' tokenizers in reference cycles
     count = len(patch._TABLES)
     del first
     gc.collect()

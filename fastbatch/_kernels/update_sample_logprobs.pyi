@@ -2,9 +2,7 @@ from typing import Any
 
 __all__ = ["update_sample_logprobs"]
 
-def bind(
-    stock: Any, entry_of: Any, namespace: dict[str, Any], kinds: tuple[type, type]
-) -> None: ...
+def bind(stock: Any, entry_of: Any, convert: Any, kinds: tuple[type, type]) -> None: ...
 def update(self: Any, logprobs_lists: Any) -> None: ...
 
 def update_sample_logprobs(

@@ -334,33 +334,35 @@ cdef list _context(object processor, object container, const Array* token_ids,
     return context
 
 
-# Set by bind(): vLLM's method, the patch's per-tokenizer entry,
-# vLLM's module namespace (convert_ids_list_to_tokens, read per call), kinds.
+# Set by bind(): vLLM's method, the patch's per-tokenizer entry, the
+# first-sight texts (``convert``), kinds.
 cdef object _stock = None
 cdef object _entry_of = None
-cdef dict _namespace = None
+cdef object _convert = None
 cdef tuple _kinds = None
 # The last tokenizer seen (weakly) and its entry.
 cdef object _last_tokenizer = None
 cdef object _last_entry = None
 
 
-def bind(stock, entry_of, dict namespace not None, tuple kinds not None):
+def bind(stock, entry_of, convert, tuple kinds not None):
     """Make ``update`` answer for this vLLM: ``stock`` is vLLM's own
     ``LogprobsProcessor._update_sample_logprobs`` (it answers every call
     ``update_sample_logprobs`` does not take), ``entry_of(tokenizer)`` gives
     a tokenizer's ``(texts, correct)`` or None where it cannot key them,
-    ``namespace`` is the globals of vLLM's module (from which
-    ``convert_ids_list_to_tokens`` is read at every call), ``kinds`` is
+    ``convert(tokenizer, ids)`` gives the texts of ids met for the first
+    time (the patch's: vLLM's ``convert_ids_list_to_tokens``), ``kinds`` is
     ``(Logprob, FlatLogprobs)``."""
-    global _stock, _entry_of, _namespace, _kinds, _last_tokenizer, _last_entry
+    global _stock, _entry_of, _convert, _kinds, _last_tokenizer, _last_entry
     if not callable(stock):
         raise TypeError(f"stock must be callable, got {type(stock).__name__}")
     if not callable(entry_of):
         raise TypeError(f"entry_of must be callable, got {type(entry_of).__name__}")
+    if not callable(convert):
+        raise TypeError(f"convert must be callable, got {type(convert).__name__}")
     if len(kinds) != 2:
         raise ValueError(f"kinds must be (Logprob, FlatLogprobs), got {len(kinds)} items")
-    _stock, _entry_of, _namespace, _kinds = stock, entry_of, namespace, kinds
+    _stock, _entry_of, _convert, _kinds = stock, entry_of, convert, kinds
     _last_tokenizer = _last_entry = None
 
 
@@ -384,8 +386,7 @@ def update(self, logprobs_lists):
     if entry is not None:
         texts, correct = entry
         try:
-            update_sample_logprobs(self, logprobs_lists, texts,
-                                   _namespace["convert_ids_list_to_tokens"], _kinds, correct)
+            update_sample_logprobs(self, logprobs_lists, texts, _convert, _kinds, correct)
             return None
         except (TypeError, ValueError):  # checked before anything was written
             pass

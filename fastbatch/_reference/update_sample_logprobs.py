@@ -78,33 +78,32 @@ def _context(processor: Any, container: Any, token_ids: list, position: int) -> 
     return context + [row[0] for row in token_ids[position - earlier:position]]
 
 
-# Set by bind(): (vLLM's method, the patch's per-tokenizer entry, vLLM's
-# module namespace, kinds); the last tokenizer seen (weakly) and its entry.
-_BOUND: tuple[Any, Any, dict[str, Any], tuple[type, type]] | None = None
+# Set by bind(): (vLLM's method, the patch's per-tokenizer entry, the
+# first-sight texts, kinds); the last tokenizer seen (weakly) and its entry.
+_BOUND: tuple[Any, Any, Any, tuple[type, type]] | None = None
 _last: tuple[Any, Any] = (None, None)
 
 
-def bind(stock: Any, entry_of: Any, namespace: dict[str, Any],
-         kinds: tuple[type, type]) -> None:
+def bind(stock: Any, entry_of: Any, convert: Any, kinds: tuple[type, type]) -> None:
     """Make ``update`` answer for this vLLM: ``stock`` is vLLM's own
     ``LogprobsProcessor._update_sample_logprobs`` (it answers every call
     ``update_sample_logprobs`` does not take), ``entry_of(tokenizer)`` gives
     a tokenizer's ``(texts, correct)`` or None where it cannot key them,
-    ``namespace`` is the globals of vLLM's module (from which
-    ``convert_ids_list_to_tokens`` is read at every call), ``kinds`` is
+    ``convert(tokenizer, ids)`` gives the texts of ids met for the first
+    time (the patch's: vLLM's ``convert_ids_list_to_tokens``), ``kinds`` is
     ``(Logprob, FlatLogprobs)``."""
     global _BOUND, _last
     if not callable(stock):
         raise TypeError(f"stock must be callable, got {type(stock).__name__}")
     if not callable(entry_of):
         raise TypeError(f"entry_of must be callable, got {type(entry_of).__name__}")
-    if type(namespace) is not dict:
-        raise TypeError(f"namespace must be a dict, got {type(namespace).__name__}")
+    if not callable(convert):
+        raise TypeError(f"convert must be callable, got {type(convert).__name__}")
     if type(kinds) is not tuple:
         raise TypeError(f"kinds must be a tuple, got {type(kinds).__name__}")
     if len(kinds) != 2:
         raise ValueError(f"kinds must be (Logprob, FlatLogprobs), got {len(kinds)} items")
-    _BOUND = (stock, entry_of, namespace, kinds)
+    _BOUND = (stock, entry_of, convert, kinds)
     _last = (None, None)
 
 
@@ -118,7 +117,7 @@ def update(self: Any, logprobs_lists: Any) -> None:
     if _BOUND is None:
         raise RuntimeError("fastbatch's update_sample_logprobs is not bound to vLLM's method "
                            "(fastbatch.patches.update_sample_logprobs.bind() does it)")
-    stock, entry_of, namespace, kinds = _BOUND
+    stock, entry_of, convert, kinds = _BOUND
     tokenizer = self.tokenizer
     ref, entry = _last
     if tokenizer is None or ref is None or ref() is not tokenizer:
@@ -128,8 +127,7 @@ def update(self: Any, logprobs_lists: Any) -> None:
     if entry is not None:
         texts, correct = entry
         try:
-            update_sample_logprobs(self, logprobs_lists, texts,
-                                   namespace["convert_ids_list_to_tokens"], kinds, correct)
+            update_sample_logprobs(self, logprobs_lists, texts, convert, kinds, correct)
             return None
         except (TypeError, ValueError):  # checked before anything was written
             pass

@@ -74,6 +74,7 @@ from typing import Any
 
 import fastbatch
 from fastbatch import _verify
+from fastbatch.patches import update_sample_logprobs
 from fastbatch.patches._patch import Patch, Shadow
 from fastbatch.patches._source import assigned, compile_in_module, function_tree
 
@@ -227,10 +228,13 @@ def bind(method: Any = None) -> None:
 def process_outputs(self: Any, engine_core_outputs: Any, engine_core_timestamp: Any = None,
                     iteration_stats: Any = None, weight_version: Any = None) -> Any:
     """fastbatch's ``OutputProcessor.process_outputs``: vLLM's, with the
-    compiled turn for each output it takes."""
+    compiled turn for each output it takes, in one ``STEP`` of the
+    ``update_sample_logprobs`` piece (a vLLM tokenizer pool borrowed from
+    once for the step's first-sight texts)."""
     built = _CHECKED if PATCH.verify_rate > 0 else _FAST
-    return built(self, engine_core_outputs, engine_core_timestamp, iteration_stats,
-                 weight_version)
+    with update_sample_logprobs.STEP:
+        return built(self, engine_core_outputs, engine_core_timestamp, iteration_stats,
+                     weight_version)
 
 
 # ---------------------------------------------------------------------------

@@ -32,9 +32,21 @@ the entries of the columns beyond the request's ``num_logprobs + 1`` that
 it then drops, in a batch with a wider request, and in a dict the sampled
 token's own entry where a top column repeats it, greedy sampling's every
 position, whose text that column's replaces; nothing of them is kept, so
-fastbatch does not compute them.)  A processor or input the compiled call
-does not take (another container type, a dtype other than int32/int64 and
-float32/float64, an unhashable tokenizer...) runs vLLM's method.
+fastbatch does not compute them.)
+
+Within a step of the output processor (each call of the ``process_outputs``
+piece, ``STEP``), a tokenizer of vLLM's pool is borrowed from once: the
+first-sight texts and the corrections' decodes of every request of the step
+call one borrowed copy's ``decode`` and ``convert_ids_to_tokens``
+(``PoolLender``), where the pool's own methods borrow a copy for each call
+and call that copy's.  The copy goes back to the pool when the step ends.
+A borrow (a context manager, a queue get and put) was about half of a
+first-sight text's cost; at 32,000 tokens a run meets about 17 new ids a
+step.
+
+A processor or input the compiled call does not take (another container
+type, a dtype other than int32/int64 and float32/float64, an unhashable
+tokenizer...) runs vLLM's method.
 
 vLLM's ``Logprob`` is a dataclass of three fields; the compiled call makes
 each as its ``__init__`` does (``object.__new__``, then the three attributes
@@ -73,7 +85,10 @@ with a smaller window for the positions of this call),
 entries and ranks), ``convert_ids_list_to_tokens`` (one id at a time gives
 what the list call gives for it), ``_correct_decoded_token`` (it reads
 nothing of ``self`` but ``self.tokenizer``, and calls nothing of it but
-``decode`` with a list of ids).  The activation check runs
+``decode`` with a list of ids), ``maybe_make_thread_pool`` (its
+``decode`` and ``convert_ids_to_tokens`` borrow a copy and call the copy's;
+only a tokenizer whose class has that function's code is lent,
+``pool_borrow``).  The activation check runs
 vLLM's method and fastbatch's side by side on processors of a small
 byte-level tokenizer that produces U+FFFD (list and flat containers,
 ``num_logprobs`` 0, 1, -1 and narrower than the batch, several positions,
@@ -95,7 +110,9 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import sys
+import threading
 import weakref
 from typing import Any, ClassVar
 
@@ -104,6 +121,10 @@ from fastbatch.patches._patch import Patch, Shadow
 
 MODULE = "vllm.v1.engine.logprobs"
 TARGET = f"{MODULE}:LogprobsProcessor._update_sample_logprobs"
+# vLLM's tokenizer pool, and the methods it answers with a borrowed copy's
+# that the texts and corrections call (see ``PoolLender``).
+POOL_FACTORY = "vllm.tokenizers.hf:maybe_make_thread_pool"
+POOL_METHODS = ("decode", "convert_ids_to_tokens")
 VERIFIED_FINGERPRINTS = {
     "d4450b8bd306cd3377da71bb0573b7a911541d18e6dda48af88be2cafd88fe69":
         "vLLM 0.32.0-0.33.0",
@@ -126,6 +147,9 @@ COMPANION_FINGERPRINTS = {
             "vLLM 0.32.0-0.33.0"},
     f"{MODULE}:LogprobsProcessor._correct_decoded_token": {
         "dad9ddbe0945fb4ba0668e3c1d32797725e841d491c49ded680eb1a4947e2db3":
+            "vLLM 0.32.0-0.33.0"},
+    POOL_FACTORY: {
+        "5951034387bbf8d5a4427402a1139fe597eaf616888abb90f19cfadf69857f1d":
             "vLLM 0.32.0-0.33.0"},
 }
 FLAT_LISTS = ("start_indices", "end_indices", "token_ids", "logprobs", "ranks",
@@ -210,10 +234,132 @@ class MemoCorrector:
         key = (token_id, *context_token_ids)
         text = self.corrected.get(key)
         if text is None:
-            text = vllm_correct(Lent(MemoTokenizer(self.decodes, processor.tokenizer)), token_id,
-                                context_token_ids)
+            text = vllm_correct(Lent(MemoTokenizer(self.decodes, lent(processor.tokenizer))),
+                                token_id, context_token_ids)
             _remember(self.corrected, key, text)
         return text
+
+
+# ---------------------------------------------------------------------------
+# One borrow from vLLM's tokenizer pool per step.
+
+class PoolLender:
+    """A tokenizer of vLLM's pool (``maybe_make_thread_pool``) with one copy
+    borrowed from its pool: ``decode`` and ``convert_ids_to_tokens`` are that
+    copy's; every other attribute, read or written, is the pool tokenizer's
+    own.
+
+    The pool answers each of those two calls by borrowing a copy (a context
+    manager, a queue get and put: about half of a first-sight text's cost)
+    and calling the copy's method; any copy may answer ("adjacent method
+    calls could happen on different deep copies").  Here one borrowed copy
+    answers them all for a step of the output processor (``STEP``).  While a
+    step holds it the pool has one copy fewer to lend: a borrow of vLLM's in
+    the same step (prompt logprobs) or from the renderer's threads takes
+    another, or, with every copy out, makes one more, as the pool does.
+    """
+
+    __slots__ = ("_copy", "_pool")
+
+    def __init__(self, pool: Any, borrowed: Any) -> None:
+        object.__setattr__(self, "_pool", pool)
+        object.__setattr__(self, "_copy", borrowed)
+
+    def decode(self, *args: Any, **kwargs: Any) -> Any:
+        return self._copy.decode(*args, **kwargs)
+
+    def convert_ids_to_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        return self._copy.convert_ids_to_tokens(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._pool, name, value)
+
+
+def _pool_methods() -> dict[str, Any]:
+    """The code of ``POOL_METHODS`` in the class that vLLM's pool factory makes."""
+    module, _, name = POOL_FACTORY.partition(":")
+    factory = getattr(importlib.import_module(module), name)
+    return {code.co_name: code for pool_class in factory.__code__.co_consts
+            if inspect.iscode(pool_class) and pool_class.co_name == "TokenizerPool"
+            for code in pool_class.co_consts
+            if inspect.iscode(code) and code.co_name in POOL_METHODS}
+
+
+def pool_borrow(tokenizer: Any) -> Any:
+    """The borrow of ``tokenizer``'s pool (a context manager that gives a copy
+    and puts it back), for a tokenizer whose class vLLM's pool factory made
+    (its ``POOL_METHODS`` are that factory's code, each a borrow and the
+    copy's method); else None.  Kept per class: each pool has its own."""
+    kind = type(tokenizer)
+    try:
+        return _BORROWS[kind]
+    except KeyError:
+        pass
+    except TypeError:  # a class without weak references: not a pool's
+        return None
+    codes, found = _pool_methods(), []
+    for name in POOL_METHODS:
+        method = vars(kind).get(name)
+        code = getattr(method, "__code__", None)
+        if code is None or code is not codes.get(name):
+            found = [None]
+            break
+        cells = dict(zip(code.co_freevars, method.__closure__, strict=True))
+        found.append(cells["_borrow_from_pool"].cell_contents)
+    borrow = found[0] if all(each is found[0] for each in found) else None
+    _BORROWS[kind] = borrow
+    return borrow
+
+
+_BORROWS: weakref.WeakKeyDictionary[type, Any] = weakref.WeakKeyDictionary()
+
+
+class Step(threading.local):
+    """The output processor's step on this thread (``with STEP:``, entered by
+    the ``process_outputs`` piece around each call): within it, ``lent`` gives
+    each vLLM pool tokenizer's ``PoolLender``, its copy borrowed at the first
+    text or correction that needs one and put back when the step ends."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.lent: dict[int, tuple[Any, PoolLender]] = {}
+
+    def __enter__(self) -> None:
+        self.depth += 1
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.depth -= 1
+        if self.depth == 0 and self.lent:
+            lent, self.lent = self.lent, {}
+            for borrowed, _ in lent.values():
+                borrowed.__exit__(None, None, None)
+
+
+STEP = Step()
+
+
+def lent(tokenizer: Any) -> Any:
+    """``tokenizer``, or within a ``STEP`` on this thread, for a tokenizer of
+    vLLM's pool, its ``PoolLender`` (the copy borrowed once for the step)."""
+    if not STEP.depth:
+        return tokenizer
+    found = STEP.lent.get(id(tokenizer))  # the lender keeps it alive: ids stay unique
+    if found is None:
+        borrow = pool_borrow(tokenizer)
+        if borrow is None:
+            return tokenizer
+        borrowed = borrow()
+        found = STEP.lent[id(tokenizer)] = (borrowed, PoolLender(tokenizer, borrowed.__enter__()))
+    return found[1]
+
+
+def _convert(tokenizer: Any, token_ids: list[int]) -> list[str]:
+    """vLLM's ``convert_ids_list_to_tokens`` (read from its module at each
+    call) with ``tokenizer`` as ``lent`` gives it."""
+    return sys.modules[MODULE].convert_ids_list_to_tokens(lent(tokenizer), token_ids)
 
 
 def _correct_decoded_token() -> Any:
@@ -285,11 +431,9 @@ _update_sample_logprobs = _piece.update
 
 def bind(stock: Any = None) -> None:
     """Bind ``_update_sample_logprobs`` to ``stock`` (by default vLLM's own
-    method), the per-tokenizer tables, vLLM's module (its
-    ``convert_ids_list_to_tokens``, read per call) and ``(Logprob,
-    FlatLogprobs)``."""
-    _piece.bind(stock or _stock_method(), _tokenizer_entry, vars(sys.modules[MODULE]),
-                _kinds())
+    method), the per-tokenizer tables, the first-sight texts (``_convert``)
+    and ``(Logprob, FlatLogprobs)``."""
+    _piece.bind(stock or _stock_method(), _tokenizer_entry, _convert, _kinds())
 
 
 # ---------------------------------------------------------------------------
