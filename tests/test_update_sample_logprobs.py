@@ -762,6 +762,17 @@ def pool_queue(tokenizer):
     return cells["tokenizer_pool"].cell_contents
 
 
+def counted_borrows(tokenizer):
+    """A fresh copy of a vLLM pool tokenizer (its pool of one copy: its
+    ``__reduce__``), its queue, and the list its borrows are appended to."""
+    tokenizer = copy.deepcopy(tokenizer)
+    queue = pool_queue(tokenizer)
+    borrows = []
+    get_nowait = queue.get_nowait
+    queue.get_nowait = lambda: borrows.append(1) or get_nowait()
+    return tokenizer, queue, borrows
+
+
 def corrected_steps(tokenizer, text):
     """One step per token of ``text``, each the token and the text's first
     token as its top logprob (multi-byte characters: U+FFFD corrections)."""
@@ -778,11 +789,7 @@ def test_corrections_decode_each_id_list_once():
     whose ``decode`` calls are answered from the tokenizer's memo where the same
     ids were decoded before: the same steps again decode nothing (no borrow from
     vLLM's tokenizer pool), and the texts are vLLM's each time."""
-    tokenizer = copy.deepcopy(tokenizers()["byte-level"])  # a fresh pool (its __reduce__)
-    queue = pool_queue(tokenizer)
-    borrows = []
-    get_nowait = queue.get_nowait
-    queue.get_nowait = lambda: borrows.append(1) or get_nowait()
+    tokenizer, queue, borrows = counted_borrows(tokenizers()["byte-level"])
     steps = corrected_steps(tokenizer, "\u0436\u0449 \U0001f41d \u2713")
     first, second, stock = (real_processor(tokenizer, False, 1) for _ in range(3))
     for lists in steps:
@@ -834,17 +841,6 @@ def test_a_correction_is_made_once_per_token_and_context(monkeypatch):
         patch._update_sample_logprobs(second, lists)
     assert fastbatch.stats()[NAME]["corrected"] > 0 and not made
     assert outcome(first) == outcome(second) == outcome(stock[0]) == outcome(stock[1])
-
-
-def counted_borrows(tokenizer):
-    """A fresh copy of a vLLM pool tokenizer (its pool of one copy: its
-    ``__reduce__``), its queue, and the list its borrows are appended to."""
-    tokenizer = copy.deepcopy(tokenizer)
-    queue = pool_queue(tokenizer)
-    borrows = []
-    get_nowait = queue.get_nowait
-    queue.get_nowait = lambda: borrows.append(1) or get_nowait()
-    return tokenizer, queue, borrows
 
 
 @pytest.mark.vllm

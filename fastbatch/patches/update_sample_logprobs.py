@@ -40,9 +40,9 @@ first-sight texts and the corrections' decodes of every request of the step
 call one borrowed copy's ``decode`` and ``convert_ids_to_tokens``
 (``PoolLender``), where the pool's own methods borrow a copy for each call
 and call that copy's.  The copy goes back to the pool when the step ends.
-A borrow (a context manager, a queue get and put) was about half of a
-first-sight text's cost; at 32,000 tokens a run meets about 17 new ids a
-step.
+A borrow (a context manager, a queue get and put) was about 30 % of a
+first-sight text's cost in the engine; at 32,000 tokens a run meets about
+17 new ids a step.
 
 A processor or input the compiled call does not take (another container
 type, a dtype other than int32/int64 and float32/float64, an unhashable
@@ -250,13 +250,13 @@ class PoolLender:
     own.
 
     The pool answers each of those two calls by borrowing a copy (a context
-    manager, a queue get and put: about half of a first-sight text's cost)
-    and calling the copy's method; any copy may answer ("adjacent method
-    calls could happen on different deep copies").  Here one borrowed copy
-    answers them all for a step of the output processor (``STEP``).  While a
-    step holds it the pool has one copy fewer to lend: a borrow of vLLM's in
-    the same step (prompt logprobs) or from the renderer's threads takes
-    another, or, with every copy out, makes one more, as the pool does.
+    manager, a queue get and put) and calling the copy's method; any copy
+    may answer ("adjacent method calls could happen on different deep
+    copies").  Here one borrowed copy answers them all for a step of the
+    output processor (``STEP``).  While a step holds it the pool has one copy
+    fewer to lend: a borrow of vLLM's in the same step (prompt logprobs) or
+    from the renderer's threads takes another, or, with every copy out,
+    makes one more, as the pool does.
     """
 
     __slots__ = ("_copy", "_pool")
@@ -288,33 +288,35 @@ def _pool_methods() -> dict[str, Any]:
             if inspect.iscode(code) and code.co_name in POOL_METHODS}
 
 
-def pool_borrow(tokenizer: Any) -> Any:
-    """The borrow of ``tokenizer``'s pool (a context manager that gives a copy
-    and puts it back), for a tokenizer whose class vLLM's pool factory made
-    (its ``POOL_METHODS`` are that factory's code, each a borrow and the
-    copy's method); else None.  Kept per class: each pool has its own."""
-    kind = type(tokenizer)
-    try:
-        return _BORROWS[kind]
-    except KeyError:
-        pass
-    except TypeError:  # a class without weak references: not a pool's
-        return None
-    codes, found = _pool_methods(), []
+def _factory_borrow(kind: type) -> Any:
+    """The borrow of a class that vLLM's pool factory made (its
+    ``POOL_METHODS`` that factory's code, all with one borrow), or None."""
+    codes, borrows = _pool_methods(), set()
     for name in POOL_METHODS:
         method = vars(kind).get(name)
         code = getattr(method, "__code__", None)
         if code is None or code is not codes.get(name):
-            found = [None]
-            break
+            return None
         cells = dict(zip(code.co_freevars, method.__closure__, strict=True))
-        found.append(cells["_borrow_from_pool"].cell_contents)
-    borrow = found[0] if all(each is found[0] for each in found) else None
-    _BORROWS[kind] = borrow
-    return borrow
+        borrows.add(cells["_borrow_from_pool"].cell_contents)
+    return borrows.pop() if len(borrows) == 1 else None
 
 
 _BORROWS: weakref.WeakKeyDictionary[type, Any] = weakref.WeakKeyDictionary()
+
+
+def pool_borrow(tokenizer: Any) -> Any:
+    """The borrow of ``tokenizer``'s pool (a context manager that gives a copy
+    and puts it back), for a tokenizer whose class vLLM's pool factory made
+    (``_factory_borrow``); else None.  Kept per class: each pool has its own."""
+    kind = type(tokenizer)
+    try:
+        return _BORROWS[kind]
+    except KeyError:
+        borrow = _BORROWS[kind] = _factory_borrow(kind)
+        return borrow
+    except TypeError:  # a class without weak references: not a pool's
+        return None
 
 
 class Step(threading.local):
