@@ -5,6 +5,9 @@
         detokenizer_update --settings logprobs=1 --vocab 32000 --cold
     python benchmarks/piece_ab.py --piece process_outputs update_sample_logprobs \
         detokenizer_update --settings logprobs=1 --verify 0.01
+    python benchmarks/piece_ab.py --piece process_outputs update_sample_logprobs \
+        detokenizer_update --settings logprobs=1 --vocab 32000 --cold \
+        --variant benchmarks/variants/step_lending.py
 
 Two engine processes differ by more than a small piece does (memory layout,
 the machine's speed that minute): on this project's 2-core machines
@@ -31,7 +34,13 @@ before every generate, so that each run meets its ids for the first time, as
 a new process does; without it the warm-up generate (the same requests) has
 filled them with this run's ids.  ``--verify RATE`` (the third command)
 measures what ``FASTBATCH_VERIFY=RATE`` costs instead: the pieces checked at
-RATE on one side, unchecked on the other (no stock side).  Reported: the
+RATE on one side, unchecked on the other (no stock side).  ``--variant FILE``
+(the fourth command) compares two variants of fastbatch instead, the pieces
+installed on both sides: FILE (Python) defines ``VARIANTS``, two names each
+mapped to a function that puts its variant in place, called before each
+generate of its side (the first name is the side "on").  A change too small
+to tell apart between two processes (a few per cent) needs this: both
+variants in one process, alternating.  Reported: the
 medians each way, the median of the paired differences (on - off; negative:
 the pieces save) and of the paired ratios (off / on).  Token ids, texts and
 logprobs must be the same both ways, each piece's counters must show work
@@ -48,6 +57,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from importlib import util
 from pathlib import Path
 from typing import Any
 
@@ -93,10 +104,27 @@ def _timers(args: argparse.Namespace, llm: Any, pieces: list[Any]) -> Any:
     return timers
 
 
-def measure(args: argparse.Namespace, model: str) -> tuple[dict, dict, dict]:
-    """The timed pairs of generates: us per call of the function each way,
-    the outputs (token ids, text, logprobs) each way, and with ``--verify``
-    the calls checked per piece in each run of the checked side."""
+def _variants(path: Path) -> dict[str, Callable[[], Any]]:
+    """``VARIANTS`` of the ``--variant`` file: two names, each to a function
+    that puts its variant in place."""
+    spec = util.spec_from_file_location(f"piece_ab_variant_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        sys.exit(f"--variant {path}: not a Python file")
+    module = util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    variants = getattr(module, "VARIANTS", None)
+    if (not isinstance(variants, dict) or len(variants) != 2
+            or not all(callable(function) for function in variants.values())):
+        sys.exit(f"--variant {path}: VARIANTS must map two names to functions")
+    return variants
+
+
+def measure(args: argparse.Namespace, model: str,
+            variants: dict[str, Callable[[], Any]] | None) -> tuple[dict, dict, dict]:
+    """The timed pairs of generates: us per call of the function each way
+    (``variants``: the ``--variant`` file's, by side), the outputs (token ids,
+    text, logprobs) each way, and with ``--verify`` the calls checked per
+    piece in each run of the checked side."""
     from vllm import LLM, SamplingParams
 
     import fastbatch
@@ -123,11 +151,14 @@ def measure(args: argparse.Namespace, model: str) -> tuple[dict, dict, dict]:
     checked: dict[str, list[int]] = {piece.name: [] for piece in pieces}
     for round_index in range(args.rounds):
         for side in ("on", "off") if round_index % 2 == 0 else ("off", "on"):
-            for piece in reversed(pieces):
-                piece.revert()
-            if side == "on" or args.verify is not None:
-                for piece in pieces:
-                    piece.apply(verify=(args.verify or 0.0) if side == "on" else 0.0)
+            if variants is not None:
+                variants[side]()
+            else:
+                for piece in reversed(pieces):
+                    piece.revert()
+                if side == "on" or args.verify is not None:
+                    for piece in pieces:
+                        piece.apply(verify=(args.verify or 0.0) if side == "on" else 0.0)
             for forget in forgets:
                 forget()
             timers.reset()
@@ -136,7 +167,7 @@ def measure(args: argparse.Namespace, model: str) -> tuple[dict, dict, dict]:
             per_call[side].append(timer.seconds / timer.calls * 1e6)
             for piece in pieces:
                 worked = any(fastbatch.stats()[piece.name].values())
-                if worked != (side == "on" or args.verify is not None):
+                if worked != (side == "on" or args.verify is not None or bool(variants)):
                     sys.exit(f"{piece.name} {'ran' if worked else 'had no work'} on the "
                              f"side {side} (round {round_index})")
                 if args.verify is not None:
@@ -158,8 +189,19 @@ def measure(args: argparse.Namespace, model: str) -> tuple[dict, dict, dict]:
     for piece in pieces:
         piece.apply()
     if outputs["on"] != outputs["off"]:
-        sys.exit(f"outputs differ with {', '.join(args.piece)} on and off")
+        sys.exit("outputs differ between the variants" if variants else
+                 f"outputs differ with {', '.join(args.piece)} on and off")
     return per_call, outputs, checked
+
+
+def _sides(args: argparse.Namespace, names: list[str]) -> dict[str, str]:
+    """What runs on each side: fastbatch and stock, a checked fastbatch and
+    fastbatch, or the ``--variant`` file's two variants (``names``)."""
+    if names:
+        return dict(zip(("on", "off"), names, strict=True))
+    if args.verify is not None:
+        return {"on": f"verify={args.verify:g}", "off": "fastbatch"}
+    return {"on": "fastbatch", "off": "stock"}
 
 
 def main() -> None:
@@ -182,8 +224,14 @@ def main() -> None:
     parser.add_argument("--verify", type=float, metavar="RATE",
                         help="FASTBATCH_VERIFY's cost: the pieces checked at RATE (0 to 1) "
                              "on one side, unchecked on the other, instead of stock")
+    parser.add_argument("--variant", type=Path, metavar="FILE",
+                        help="two variants of fastbatch instead of the pieces on and off: "
+                             "FILE defines VARIANTS, two names each to a function that puts "
+                             "its variant in place")
     parser.add_argument("--out", type=Path, default=Path("results"))
     args = parser.parse_args()
+    if args.variant is not None and args.verify is not None:
+        parser.error("--variant and --verify: one comparison at a time")
     if args.cold and not _forgets(args.piece):
         parser.error(f"--cold: no table to empty in {', '.join(args.piece)}")
     if args.verify is not None and not 0 < args.verify <= 1:
@@ -197,17 +245,19 @@ def main() -> None:
 
     import vllm
 
+    variants = _variants(args.variant) if args.variant is not None else {}
+    by_side = dict(zip(("on", "off"), variants.values(), strict=True)) if variants else None
     with tempfile.TemporaryDirectory() as scratch:
         model = make_tiny_model(Path(scratch) / "tiny-llama", args.vocab)
-        per_call, outputs, checked = measure(args, model)
+        per_call, outputs, checked = measure(args, model, by_side)
     pairs = list(zip(per_call["on"], per_call["off"], strict=True))
     report = {
         "vllm": vllm.__version__, "pieces": args.piece, "function": args.function,
         "settings": args.settings, "concurrency": args.concurrency,
         "max_tokens": args.max_tokens, "vocab": args.vocab, "rounds": args.rounds,
         "cold": args.cold, "verify": args.verify,
-        "sides": {"on": "fastbatch" if args.verify is None else f"verify={args.verify:g}",
-                  "off": "stock" if args.verify is None else "fastbatch"},
+        "variant": str(args.variant) if args.variant else None,
+        "sides": _sides(args, list(variants)),
         "checked": checked,
         "us_per_call": per_call,
         "median_on_us": statistics.median(per_call["on"]),

@@ -217,3 +217,46 @@ def test_outputs_that_differ_fail_the_benchmarks():
     assert result.stdout.strip() == "['token_ids', 'logprobs']"
     assert result.returncode == 1
     assert "logprobs at 8: logprobs of fastbatch run 2 differ from stock run 1" in result.stderr
+
+
+def test_piece_ab_compares_two_variants(tmp_path):
+    """``--variant FILE``: the pieces installed on both sides, each side's
+    variant put in place before each of its generates (the order alternating:
+    on, off, then off, on), the outputs the same; here the committed example,
+    benchmarks/variants/step_lending.py, its calls logged.  A file without two
+    variants, and ``--variant`` with ``--verify``, are refused."""
+    example = BENCHMARKS / "variants" / "step_lending.py"
+    calls = tmp_path / "calls.txt"
+    logged = tmp_path / "logged.py"
+    logged.write_text(f'''
+import runpy
+example = runpy.run_path({str(example)!r})
+
+def logged_call(name, function):
+    def put_in_place():
+        with open({str(calls)!r}, "a") as out:
+            out.write(name + "\\n")
+        function()
+    return put_in_place
+
+VARIANTS = {{name: logged_call(name, function) for name, function in example["VARIANTS"].items()}}
+''')
+    pieces = ["process_outputs", "update_sample_logprobs", "detokenizer_update"]
+    result = piece_ab(tmp_path, "--piece", *pieces, "--settings", "logprobs=1", "--cold",
+                      "--variant", str(logged))
+    assert result.returncode == 0, result.stderr[-5000:]
+    report = json.loads((tmp_path / "piece_ab.json").read_text())
+    names = ["one borrow a step", "a borrow a call"]
+    assert report["sides"] == dict(zip(("on", "off"), names, strict=True))
+    assert report["variant"] == str(logged) and report["verify"] is None
+    assert all(len(report["us_per_call"][side]) == 2 for side in ("on", "off"))
+    assert calls.read_text().split("\n")[:-1] == [names[0], names[1], names[1], names[0]]
+    assert f"on ({names[0]})" in result.stdout and f"off ({names[1]})" in result.stdout
+
+    one = tmp_path / "one.py"
+    one.write_text("VARIANTS = {'only': print}\n")
+    refused = piece_ab(tmp_path / "one", "--piece", "detokenizer_update", "--variant", str(one))
+    assert refused.returncode != 0 and "VARIANTS must map two names" in refused.stderr
+    both = piece_ab(tmp_path / "both", "--piece", "detokenizer_update", "--variant", str(logged),
+                    "--verify", "1")
+    assert both.returncode != 0 and "one comparison at a time" in both.stderr

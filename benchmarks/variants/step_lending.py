@@ -1,0 +1,34 @@
+"""``piece_ab.py --variant``: the output processor's step borrow, and without it.
+
+    python benchmarks/piece_ab.py --piece process_outputs update_sample_logprobs \
+        detokenizer_update --settings logprobs=1 --vocab 32000 --cold \
+        --variant benchmarks/variants/step_lending.py
+
+Inside a step of the piece ``process_outputs``, ``update_sample_logprobs.lent``
+gives the texts not yet in the table, and the U+FFFD corrections, one copy
+borrowed from vLLM's tokenizer pool for the whole step (side "on"); the side
+"off" gives them the pool tokenizer itself, which borrows a copy for every
+call, as vLLM does.  The texts are the same both ways.
+"""
+
+from typing import Any
+
+from fastbatch.patches import update_sample_logprobs
+
+_LENT = update_sample_logprobs.lent
+
+
+def borrowed_once_a_step() -> None:
+    update_sample_logprobs.lent = _LENT
+
+
+def _pool_tokenizer(tokenizer: Any) -> Any:
+    return tokenizer
+
+
+def borrowed_every_call() -> None:
+    update_sample_logprobs.lent = _pool_tokenizer
+
+
+VARIANTS = {"one borrow a step": borrowed_once_a_step,
+            "a borrow a call": borrowed_every_call}
