@@ -167,7 +167,7 @@ def measure(args: argparse.Namespace, model: str,
             per_call[side].append(timer.seconds / timer.calls * 1e6)
             for piece in pieces:
                 worked = any(fastbatch.stats()[piece.name].values())
-                if worked != (side == "on" or args.verify is not None or bool(variants)):
+                if worked != (side == "on" or args.verify is not None or variants is not None):
                     sys.exit(f"{piece.name} {'ran' if worked else 'had no work'} on the "
                              f"side {side} (round {round_index})")
                 if args.verify is not None:

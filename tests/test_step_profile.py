@@ -223,20 +223,22 @@ def test_piece_ab_compares_two_variants(tmp_path):
     """``--variant FILE``: the pieces installed on both sides, each side's
     variant put in place before each of its generates (the order alternating:
     on, off, then off, on), the outputs the same; here the committed example,
-    benchmarks/variants/step_lending.py, its calls logged.  A file without two
-    variants, and ``--variant`` with ``--verify``, are refused."""
+    benchmarks/variants/step_lending.py, its calls logged with the ``lent``
+    each put in place in the engine's process.  A file without two variants,
+    and ``--variant`` with ``--verify``, are refused."""
     example = BENCHMARKS / "variants" / "step_lending.py"
     calls = tmp_path / "calls.txt"
     logged = tmp_path / "logged.py"
     logged.write_text(f'''
 import runpy
+from fastbatch.patches import update_sample_logprobs
 example = runpy.run_path({str(example)!r})
 
 def logged_call(name, function):
     def put_in_place():
-        with open({str(calls)!r}, "a") as out:
-            out.write(name + "\\n")
         function()
+        with open({str(calls)!r}, "a") as out:
+            out.write(f"{{name}}: {{update_sample_logprobs.lent.__name__}}\\n")
     return put_in_place
 
 VARIANTS = {{name: logged_call(name, function) for name, function in example["VARIANTS"].items()}}
@@ -250,7 +252,8 @@ VARIANTS = {{name: logged_call(name, function) for name, function in example["VA
     assert report["sides"] == dict(zip(("on", "off"), names, strict=True))
     assert report["variant"] == str(logged) and report["verify"] is None
     assert all(len(report["us_per_call"][side]) == 2 for side in ("on", "off"))
-    assert calls.read_text().split("\n")[:-1] == [names[0], names[1], names[1], names[0]]
+    put = [f"{names[0]}: lent", f"{names[1]}: _pool_tokenizer"]
+    assert calls.read_text().split("\n")[:-1] == [put[0], put[1], put[1], put[0]]
     assert f"on ({names[0]})" in result.stdout and f"off ({names[1]})" in result.stdout
 
     one = tmp_path / "one.py"
