@@ -84,11 +84,13 @@ class Piece:
 
     def apply(self, force: bool = False, verify: float = 0.0) -> bool:
         """Apply every patch of the piece, in order (a patch that ``requires``
-        another is applied only after that one, unverified); returns whether
-        the main one is installed."""
+        another is applied only after that one, and, where that one is
+        checked by ``FASTBATCH_VERIFY``, only if it has a shadow check of its
+        own); returns whether the main one is installed."""
         for patch in self.patches:
             required = patch.requires
-            if required is not None and not (required.is_applied() and required.verify_rate == 0):
+            if required is not None and not (required.is_applied() and (
+                    required.verify_rate == 0 or patch.shadow is not None)):
                 continue
             patch.apply(force, verify)
         return self.main.is_applied()

@@ -73,8 +73,9 @@ class Patch:
     a call (a piece without one stays stock while verification is on).
     ``needs_async_scheduling``: the piece has work only under async
     scheduling (the worker's runner report says so).  ``requires``: a patch
-    whose own, unverified replacement this one relies on (it is applied only
-    after that one).  ``versions``: the accepted releases, by default the
+    whose replacement this one relies on (it is applied only after that one;
+    where that one is checked by ``FASTBATCH_VERIFY``, only if this one has a
+    ``shadow``).  ``versions``: the accepted releases, by default the
     generated ones of the target.  ``acts_under_v2``: the target is the
     scheduler's (``vllm.v1.core``), the engine's (``vllm.v1.engine``: the
     output processor) or the API server's (``vllm.entrypoints``), code that
