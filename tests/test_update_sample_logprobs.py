@@ -1030,6 +1030,174 @@ def test_a_table_per_tokenizer_that_goes_with_it():
     assert len(patch._TABLES) == count - 1
 
 
+# --- the texts read ahead, at the output processor's construction ---------------
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("tokenizer_name", ["byte-level", "metaspace"])
+def test_prewarm_reads_vllms_first_sight_text_of_every_id(tokenizer_name):
+    """``prewarm`` puts in a tokenizer's table, for every id from 0 to its
+    ``max_token_id``, the text vLLM's ``convert_ids_list_to_tokens`` gives
+    that id alone, with one borrow from the tokenizer's pool for them all;
+    a second time it reads nothing."""
+    from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+
+    tokenizer, queue, borrows = counted_borrows(tokenizers()[tokenizer_name])
+    ids = range(tokenizer.max_token_id + 1)
+    assert len(ids) == len(tokenizer)  # every id the tokenizer has
+    assert patch.prewarm(tokenizer) == len(ids)
+    assert len(borrows) == 1 and queue.qsize() == 1
+    expected = {token_id: convert_ids_list_to_tokens(tokenizer, [token_id])[0]
+                for token_id in ids}
+    assert patch.texts_of(tokenizer) == expected
+    assert any(text.endswith(REPLACEMENT) for text in expected.values())  # lone bytes
+    del borrows[:]
+    assert patch.prewarm(tokenizer) == 0 and not borrows
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+def test_texts_read_ahead_give_vllms_logprobs_without_a_decode():
+    """After ``prewarm`` the steps decode no text on first sight (``decoded``
+    stays 0); the U+FFFD corrections are made as before, and every entry is
+    vLLM's."""
+    tokenizer = copy.deepcopy(tokenizers()["byte-level"])
+    steps = corrected_steps(tokenizer, "\u0436\u0449 \U0001f41d caf\u00e9 the scheduler")
+    patch.prewarm(tokenizer)
+    fastbatch.reset_stats()
+    for flat in (False, True):
+        ours, stock = real_processor(tokenizer, flat, 1), real_processor(tokenizer, flat, 1)
+        for lists in steps:
+            vllm_method()(stock, lists)
+            patch._update_sample_logprobs(ours, lists)
+        assert outcome(ours) == outcome(stock)
+    counts = fastbatch.stats()[NAME]
+    assert counts["decoded"] == 0 and counts["corrected"] > 0 and counts["positions"] > 0
+
+
+class RefusingTokenizer(patch.ByteTokenizer):
+    """Id 7's text raises, id 9's is not a str."""
+
+    def decode(self, ids, **kwargs):
+        if ids == [7]:
+            raise ValueError("no text for id 7")
+        return 5 if ids == [9] else super().decode(ids)
+
+
+@pytest.mark.vllm
+def test_prewarm_leaves_to_first_sight_what_it_cannot_read(monkeypatch):
+    """An id whose call raises or gives no str is left out (first sight then
+    raises or refuses it, as before); nothing is read without a tokenizer,
+    without an int ``max_token_id`` from 0 to ``PREWARM_LIMIT``, or for a
+    tokenizer that cannot key a table."""
+    import vllm.v1.engine.logprobs  # noqa: F401 - the module ``_convert`` reads
+
+    tokenizer = RefusingTokenizer()
+    assert patch.prewarm(tokenizer) == tokenizer.max_token_id + 1 - 2
+    texts = patch.texts_of(tokenizer)
+    assert 7 not in texts and 9 not in texts and texts[8] == "\x08"
+    for last in (None, -1, 2.0, True, patch.PREWARM_LIMIT + 1):
+        other = patch.ByteTokenizer()
+        other.max_token_id = last
+        assert patch.prewarm(other) == 0 and patch.texts_of(other) == {}
+    monkeypatch.setattr(patch.ByteTokenizer, "__hash__", None)
+    assert patch.prewarm(patch.ByteTokenizer()) == 0
+    assert patch.prewarm(None) == 0
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+def test_an_output_processor_reads_its_tokenizers_texts_ahead(logs):
+    """Installed, vLLM's ``OutputProcessor`` reads its tokenizer's texts as it
+    is built (logged), and is otherwise built as vLLM builds it; reverted,
+    vLLM's own ``__init__`` is back."""
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    stock_init = OutputProcessor.__init__
+    tokenizer = copy.deepcopy(tokenizers()["metaspace"])
+    stock = OutputProcessor(tokenizer, log_stats=True, stream_interval=3)
+    assert patch.texts_of(tokenizer) == {}
+    assert PIECE.apply() is True
+    assert OutputProcessor.__init__ is patch._output_processor_init
+    ours = OutputProcessor(tokenizer, log_stats=True, stream_interval=3)
+    assert patch._state(ours) == patch._state(stock) and ours.tokenizer is tokenizer
+    assert len(patch.texts_of(tokenizer)) == len(tokenizer)
+    assert any(f"read the texts of {len(tokenizer)} token ids ahead" in line
+               for line in logs.at(logging.INFO))
+    OutputProcessor(None, log_stats=False)  # no tokenizer: nothing to read
+    PIECE.revert()
+    assert OutputProcessor.__init__ is stock_init
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+def test_forget_reads_a_prewarmed_tokenizers_texts_again():
+    """``forget()`` is a new process: the memos empty, and the texts that an
+    output processor's construction read ahead read again."""
+    tokenizer = copy.deepcopy(tokenizers()["byte-level"])
+    patch.prewarm(tokenizer)
+    texts, corrector = patch._tokenizer_entry(tokenizer)
+    full = dict(texts)
+    processor = real_processor(tokenizer, False, 1)
+    for lists in corrected_steps(tokenizer, "\u0436\u0449"):
+        patch._update_sample_logprobs(processor, lists)
+    assert corrector.decodes and corrector.corrected
+    patch.forget()
+    assert texts == full and not corrector.decodes and not corrector.corrected
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+def test_texts_are_read_ahead_under_verify_and_checked_in_use():
+    """With ``FASTBATCH_VERIFY`` the construction is installed too (its shadow
+    passes every call through: nothing of it to compare); the texts it read
+    are compared with vLLM's on each checked call of the piece."""
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    assert PIECE.apply(verify=1.0) is True
+    assert patch.PREWARM_PATCH.is_applied() and patch.PREWARM_PATCH.verify_rate == 1.0
+    tokenizer = copy.deepcopy(tokenizers()["byte-level"])
+    OutputProcessor(tokenizer, log_stats=False)
+    assert len(patch.texts_of(tokenizer)) == len(tokenizer)
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    processor = real_processor(tokenizer, False, 1)
+    for lists in corrected_steps(tokenizer, "caf\u00e9 \u0436"):
+        LogprobsProcessor._update_sample_logprobs(processor, lists)
+    assert PIECE.main.checked > 0 and PIECE.main.divergences == 0
+    assert patch.PREWARM_PATCH.checked == 0
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("stock_vllm")
+@pytest.mark.parametrize("broken", ["construction", "texts"])
+def test_prewarm_activation_check_refuses_a_wrong_one(monkeypatch, logs, broken):
+    """A construction that builds another processor, or a ``prewarm`` whose
+    texts are not vLLM's, is refused: the construction stays vLLM's, the
+    piece's method is installed."""
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    stock_init = OutputProcessor.__init__
+    if broken == "construction":
+        def wrong(self, tokenizer, *args, **kwargs):
+            patch._output_processor_init(self, tokenizer, *args, **kwargs)
+            self.stream_interval += 1
+
+        monkeypatch.setattr(patch.PREWARM_PATCH, "replacement", wrong)
+    else:
+        real = patch.prewarm
+
+        def wrong(tokenizer):
+            read = real(tokenizer)
+            patch.texts_of(tokenizer)[0] += "!"
+            return read
+
+        monkeypatch.setattr(patch, "prewarm", wrong)
+    assert PIECE.apply() is True
+    assert OutputProcessor.__init__ is stock_init
+    (error,) = logs.at(logging.ERROR)
+    assert "activation check failed" in error and patch.PREWARM_TARGET.replace(":", ".") in error
+
+
 # --- the plugin: the guard, the activation check, FASTBATCH_DISABLE -------------
 
 @pytest.mark.vllm
@@ -1061,6 +1229,7 @@ def test_activation_check_refuses_a_wrong_kernel(monkeypatch, logs, broken):
     monkeypatch.setattr(PIECE.main, "replacement", wrong)
     assert PIECE.apply() is False
     assert LogprobsProcessor._update_sample_logprobs is vllm_method()
+    assert not PIECE.is_applied()  # nor the construction that reads the texts ahead
     (error,) = logs.at(logging.ERROR)
     assert "activation check failed" in error and PIECE.main.target in error
 

@@ -46,6 +46,9 @@ RELEASES: dict[str, tuple[str, ...]] = {
     "vllm.v1.engine.logprobs.LogprobsProcessor._update_sample_logprobs": (
         "0.32.0", "0.33.0",
     ),
+    "vllm.v1.engine.output_processor.OutputProcessor.__init__": (
+        "0.32.0", "0.33.0",
+    ),
     "vllm.v1.engine.output_processor.OutputProcessor.process_outputs": (
         "0.32.0", "0.33.0",
     ),
