@@ -711,6 +711,11 @@ def test_logprobs_are_stock_bit_for_bit(logprobs_run, vocab):
             "get_output"} <= worked
     if "update_sample_logprobs" in PATCH_NAMES:  # the logprobs piece took requests
         assert "update_sample_logprobs" in worked
+        # with every text read ahead as the engine started (the tiny models'
+        # vocabularies are their tokenizers'): no id decoded on first sight
+        assert ours["status"]["stats"]["update_sample_logprobs"]["decoded"] == 0
+        (read_ahead,) = fastbatch_lines(ours, "token ids ahead")
+        assert f"the texts of {stock['vocab_size']} token ids" in read_ahead
     assert ours["status"]["stats"]["detokenizer_update"]["stops"] > 0  # stop strings met
 
     # ...on requests that cover what they should.
