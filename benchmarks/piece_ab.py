@@ -28,11 +28,13 @@ processor and calls what its class holds at each call; any other function is
 timed on its class, so time it where the piece is called from, not the
 replaced function itself, which the revert would unwrap.  With all the
 output processor's pieces (the second command) the off side is stock
-``process_outputs``.  ``--cold`` empties the pieces' per-process tables
-(``forget()`` of their patch modules: ``update_sample_logprobs``' texts)
-before every generate, so that each run meets its ids for the first time, as
-a new process does; without it the warm-up generate (the same requests) has
-filled them with this run's ids.  ``--verify RATE`` (the third command)
+``process_outputs``.  ``--cold`` puts the pieces' per-process tables as a
+new process has them (``forget()`` of their patch modules:
+``update_sample_logprobs``' memos of U+FFFD corrections emptied, its texts
+as the engine's start reads them ahead) before every generate, so that each
+run meets its U+FFFD contexts for the first time, as a new process does;
+without it the warm-up generate (the same requests) has filled the memos
+with this run's.  ``--verify RATE`` (the third command)
 measures what ``FASTBATCH_VERIFY=RATE`` costs instead: the pieces checked at
 RATE on one side, unchecked on the other (no stock side).  ``--variant FILE``
 (the fourth command) compares two variants of fastbatch instead, the pieces
@@ -219,8 +221,8 @@ def main() -> None:
                              f"English text; {DEFAULT_VOCAB}: mostly lone bytes)")
     parser.add_argument("--rounds", type=int, default=20, help="pairs of generates")
     parser.add_argument("--cold", action="store_true",
-                        help="empty the pieces' tables before every generate (a new "
-                             "process's first run)")
+                        help="the pieces' tables as a new process has them, before "
+                             "every generate (a new process's first run)")
     parser.add_argument("--verify", type=float, metavar="RATE",
                         help="FASTBATCH_VERIFY's cost: the pieces checked at RATE (0 to 1) "
                              "on one side, unchecked on the other, instead of stock")
