@@ -475,10 +475,14 @@ def prewarm(tokenizer: Any) -> int:
     return read
 
 
+def _output_processor_type() -> type:
+    return sys.modules[PREWARM_TARGET.partition(":")[0]].OutputProcessor
+
+
 def _stock_init() -> Any:
-    """vLLM's ``OutputProcessor.__init__`` where the patch is not applied
-    (its activation check)."""
-    return sys.modules[PREWARM_TARGET.partition(":")[0]].OutputProcessor.__init__
+    """vLLM's ``OutputProcessor.__init__``: the patch's original while
+    applied, else the class's (the activation check runs before)."""
+    return PREWARM_PATCH.original() or _output_processor_type().__init__
 
 
 def _output_processor_init(self: Any, tokenizer: Any, *args: Any, **kwargs: Any) -> None:
@@ -487,7 +491,7 @@ def _output_processor_init(self: Any, tokenizer: Any, *args: Any, **kwargs: Any)
     first steps.  (Installed only with ``PATCH``; after a divergence that
     ``FASTBATCH_VERIFY`` found, the piece runs vLLM's code, and nothing is
     read.)"""
-    (PREWARM_PATCH.original() or _stock_init())(self, tokenizer, *args, **kwargs)
+    _stock_init()(self, tokenizer, *args, **kwargs)
     if not PATCH.piece_diverged:
         started = time.perf_counter()
         read = prewarm(self.tokenizer)
@@ -715,7 +719,7 @@ def prewarm_activation_check(method: Any, replacement: Any) -> str | None:
     so that the check logs nothing), and ``prewarm`` puts vLLM's first-sight
     text of every id up to ``max_token_id`` in a new tokenizer's table (the
     ids above it left to first sight); why not, or None."""
-    processor_type = sys.modules[PREWARM_TARGET.partition(":")[0]].OutputProcessor
+    processor_type = _output_processor_type()
     convert = sys.modules[MODULE].convert_ids_list_to_tokens
     unread = ByteTokenizer()
     unread.max_token_id = None
