@@ -285,8 +285,10 @@ def make_scheduler(workload: Workload) -> Any:
                     log_stats=workload.log_stats,
                     structured_output_manager=StructuredOutputManager(vllm_config),
                     block_size=workload.block_size)
-    if workload.model_runner_v2:
+    if workload.model_runner_v2 and hasattr(scheduler, "use_v2_model_runner"):
         # Read nowhere else at run time (``can_skip_drafts`` needs lookahead tokens).
+        # vLLM 0.34.0 has no V1 runner: its scheduler always takes these branches
+        # and has no such attribute.
         scheduler.use_v2_model_runner = True
     if workload.num_spec_tokens:
         # What the scheduler's __init__ derives from a speculative config's
@@ -412,6 +414,8 @@ def kv_state(scheduler: Any) -> dict[str, Any]:
     """The KV cache manager's state as plain data."""
     manager = scheduler.kv_cache_manager
     pool = manager.block_pool
+    pool_map = pool.cached_block_hash_to_block
+    cached = pool_map._cache
     groups = []
     for single in manager.coordinator.single_type_managers:
         groups.append({
@@ -429,9 +433,19 @@ def kv_state(scheduler: Any) -> dict[str, Any]:
         "blocks": [(block.block_id, block.ref_cnt, snapshot(block.block_hash),
                     block.block_hash_num_tokens, block.is_null) for block in pool.blocks],
         "hash_to_block": snapshot({
-            key: sorted(value) if isinstance(value, dict) else value.block_id
-            for key, value in pool.cached_block_hash_to_block._cache.items()}),
+            key: _block_ids(value) for key, value in cached.items()}),
+        # vLLM 0.34.0 keeps the ids of a hash cached by several blocks apart
+        "hash_to_more_blocks": snapshot({
+            key: list(value) for key, value in getattr(pool_map, "_dup_ids", {}).items()}),
     }
+
+
+def _block_ids(value: Any) -> Any:
+    """A prefix-cache entry as block ids: a block id (vLLM 0.34.0), a block, or
+    several blocks by id (0.33.0)."""
+    if isinstance(value, int):
+        return value
+    return sorted(value) if isinstance(value, dict) else value.block_id
 
 
 _REQUEST_FIELDS = ("status", "stop_reason", "_all_token_ids", "_output_token_ids",
@@ -680,8 +694,10 @@ class Lockstep:
             (ids, values, ranks), cu = logprobs
             lists = LogprobsLists(ids.copy()[:, ::2], values.copy(), ranks.copy(),
                                   None if cu is None else list(cu))
+        indices = ({"req_id_to_index": {rid: i for i, rid in enumerate(req_ids)}}
+                   if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__ else {})
         return ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            req_ids=req_ids, **indices,  # vLLM 0.34.0 removed the index map
             sampled_token_ids=[list(sampled[rid]) for rid in req_ids], logprobs=lists)
 
     def _compare(self, what: str, stock: Any, fast: Any) -> None:
