@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import os
 import pickle
@@ -116,12 +117,21 @@ def checked_replacement(patch: Patch, original: Callable[..., Any],
     if shadow is None:
         raise ValueError(f"{patch.target} has no shadow check")
     sample = random.Random().random
+    signature = _signature(original)
 
     def checked(*args: Any, **kwargs: Any) -> Any:
         if patch.piece_diverged:  # the piece went stock
             return original(*args, **kwargs)
         if _suspended or (rate < 1 and sample() >= rate):
             return replacement(*args, **kwargs)
+        if kwargs and signature is not None:
+            # The shadow sees the call as vLLM's signature binds it: an argument
+            # passed by keyword comes positionally, as vLLM's own callers pass it.
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:  # vLLM's function raises on this call too
+                return replacement(*args, **kwargs)
+            args, kwargs = bound.args, bound.kwargs
         inputs = shadow.snapshot(*args, **kwargs)
         if inputs is None:
             return replacement(*args, **kwargs)
@@ -130,6 +140,15 @@ def checked_replacement(patch: Patch, original: Callable[..., Any],
     checked.__fastbatch__ = True  # type: ignore[attr-defined]
     checked.__doc__ = replacement.__doc__
     return checked
+
+
+def _signature(function: Callable[..., Any]) -> inspect.Signature | None:
+    """``function``'s signature, or None where it has none to read."""
+    try:
+        return inspect.signature(function)
+    except (TypeError, ValueError):
+        return None
+
 
 def _compare_call(patch: Patch, original: Callable[..., Any], inputs: Any,
                   args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

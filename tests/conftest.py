@@ -87,19 +87,32 @@ if importlib.util.find_spec("vllm"):
     # of torch, transformers and vLLM is not ours to fix: import them quietly.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        import vllm.triton_utils
         import vllm.v1.core.sched.scheduler  # noqa: F401
-        # vLLM 0.34.0's CPU platform refuses to build a config on x86 without
-        # triton-cpu, which no registry here has; these tests build configs for
-        # the scheduler and the output processor only (pure Python), never a
-        # kernel.  The flag is read at call time, in check_and_update_config.
-        vllm.triton_utils.HAS_TRITON = True
         # Model Runner V1's modules, where this vLLM still has them (0.33.0 and
         # earlier; 0.34.0 removed them).
-        for _runner_module in ("vllm.v1.worker.gpu_input_batch",
-                               "vllm.v1.worker.gpu_model_runner"):
-            if importlib.util.find_spec(_runner_module) is not None:
-                importlib.import_module(_runner_module)
+        V1_RUNNER = importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
+        if V1_RUNNER:
+            import vllm.v1.worker.gpu_input_batch
+            import vllm.v1.worker.gpu_model_runner  # noqa: F401
+    import vllm.triton_utils
+    from vllm.platforms.cpu import CpuPlatform
+
+    if not V1_RUNNER and not vllm.triton_utils.HAS_TRITON:
+        # vLLM 0.34.0's CPU platform refuses to build a config on x86 without
+        # triton-cpu, which no registry here has.  These tests build configs for
+        # the scheduler and the output processor (pure Python), never a kernel:
+        # the flag, which the check reads at call time, is on during the check
+        # alone.
+        _stock_check = CpuPlatform.check_and_update_config.__func__
+
+        def _check_without_triton(cls, vllm_config):
+            vllm.triton_utils.HAS_TRITON = True
+            try:
+                return _stock_check(cls, vllm_config)
+            finally:
+                vllm.triton_utils.HAS_TRITON = False
+
+        CpuPlatform.check_and_update_config = classmethod(_check_without_triton)
 
 settings.register_profile("ci", max_examples=2000, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])

@@ -391,3 +391,37 @@ def test_a_divergence_in_one_patch_sends_the_whole_piece_to_vllm():
     assert not second.piece_diverged and checked() == "fastbatch"
     second.divergences = 2
     assert first.piece_diverged and checked() == "vLLM"
+
+
+def test_a_checked_call_with_keywords_reaches_the_shadow_as_vllm_binds_it():
+    """vLLM's callers (and its own tests) may pass any argument by keyword;
+    the shadow's functions take the call's arguments positionally, as vLLM's
+    signature binds them, and a call vLLM's signature refuses raises as it."""
+    from fastbatch.patches._patch import Patch, Shadow
+
+    seen = []
+
+    def stock(self, running_reqs, resumed_reqs, scale=1):
+        return [scale * len(running_reqs), len(resumed_reqs)]
+
+    def ours(self, running_reqs, resumed_reqs, scale=1):
+        return stock(self, running_reqs, resumed_reqs, scale)
+
+    def outcome(inputs, result, self, running_reqs, resumed_reqs, scale=1):
+        seen.append((running_reqs, resumed_reqs, scale))
+        return result
+
+    shadow = Shadow(snapshot=lambda self, running_reqs, resumed_reqs, scale=1: (
+                        running_reqs, resumed_reqs, scale),
+                    run=lambda function, inputs: function(None, *inputs),
+                    outcome=outcome, restore=lambda inputs, stock, result, *args: stock)
+    patch = Patch("fastbatch.patches._patch:Patch.apply", ours, fingerprints={},
+                  activation_check=lambda method, replacement: None, shadow=shadow)
+    checked = _verify.checked_replacement(patch, stock, 1.0)
+    assert checked(None, running_reqs=[1, 2], resumed_reqs=[3], scale=3) == [6, 1]
+    assert checked(None, [1], resumed_reqs=[]) == [1, 0]
+    assert seen == [([1, 2], [3], 3), ([1], [], 1)]
+    assert patch.checked == 2 and patch.divergences == 0
+    with pytest.raises(TypeError, match="running_reqs"):
+        checked(None, resumed_reqs=[])
+    assert patch.checked == 2
