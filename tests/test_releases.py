@@ -346,7 +346,11 @@ def test_the_tool_fingerprints_the_installed_vllm_as_the_guard_does(patches) -> 
     checked = 0
     for patch in _all_patches(patches):
         for module, qualname, _ in tool.checks(patch):
-            live = fingerprint(_lookup(module, qualname)[2])
+            try:
+                found = _lookup(module, qualname)[2]
+            except (ImportError, AttributeError):  # code this vLLM removed (0.34.0:
+                found = None  # Model Runner V1's)
+            live = None if found is None else fingerprint(found)
             assert source.fingerprint(module, qualname) == live, f"{module}:{qualname}"
-            checked += 1
+            checked += live is not None
     assert checked > len(_all_patches(patches))

@@ -1,7 +1,8 @@
 """``python -m fastbatch``, the self-check, run as users run it (a subprocess).
 
 Without vLLM (here made unimportable, so this also runs where vLLM is
-installed) and on the real vLLM 0.33.0 (marker ``vllm``).  It must not need a
+installed), on the real vLLM 0.33.0 (markers ``vllm`` and ``v1_runner``) and
+on the real vLLM 0.34.0, which has no Model Runner V1.  It must not need a
 GPU nor start an engine.
 """
 
@@ -73,6 +74,7 @@ def test_without_the_compiled_kernel_says_so():
 
 
 @pytest.mark.vllm
+@pytest.mark.v1_runner
 def test_on_vllm_0_33_every_piece_would_act():
     result = _self_check("-m", "fastbatch", VLLM_TARGET_DEVICE="cpu", FASTBATCH="1")
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
@@ -98,6 +100,7 @@ def test_on_vllm_0_33_every_piece_would_act():
 
 
 @pytest.mark.vllm
+@pytest.mark.v1_runner
 def test_on_model_runner_v2_only_the_scheduler_piece_would_act():
     result = _self_check("-m", "fastbatch", VLLM_TARGET_DEVICE="cpu",
                          VLLM_USE_V2_MODEL_RUNNER="1", FASTBATCH="1")
@@ -108,6 +111,7 @@ def test_on_model_runner_v2_only_the_scheduler_piece_would_act():
 
 
 @pytest.mark.vllm
+@pytest.mark.v1_runner
 def test_on_model_runner_v2_nothing_would_act():
     result = _self_check("-m", "fastbatch", VLLM_TARGET_DEVICE="cpu",
                          VLLM_USE_V2_MODEL_RUNNER="1",
@@ -121,3 +125,29 @@ def test_on_model_runner_v2_nothing_would_act():
     assert "model runner by default here: V2 (VLLM_USE_V2_MODEL_RUNNER=1 is set)" in out
     assert "pieces would stay idle" in out
     assert out.splitlines()[-1] == "verdict: with FASTBATCH=1 nothing would act here"
+
+
+@pytest.mark.vllm
+def test_without_model_runner_v1_the_host_pieces_would_act():
+    """vLLM 0.34.0: every piece of the scheduler, the output processor and the
+    API server would act; the V1 runner's pieces are one line, without a
+    target; vLLM's only runner is V2."""
+    from fastbatch import model_runner
+
+    removed = model_runner.v1_removed()
+    if removed is None:  # a vLLM with Model Runner V1: the tests above
+        assert "vllm.v1.worker.gpu_model_runner" in sys.modules
+        return
+    result = _self_check("-m", "fastbatch", VLLM_TARGET_DEVICE="cpu", FASTBATCH="1")
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    runner_pieces = [name for name in registry.NAMES if name not in v2_pieces()]
+    start = lines.index(f"  {', '.join(runner_pieces)}:")
+    assert lines[start + 1] == f"    {removed}; nothing to replace"
+    for name in v2_pieces():
+        (at,) = [i for i, line in enumerate(lines) if line == f"  {name}:"]
+        verdict = next(line for line in lines[at:] if "with FASTBATCH=1" in line)
+        assert verdict == "    with FASTBATCH=1: replaced", result.stdout
+    assert "model runner by default here: V2 (the only runner of vLLM" in result.stdout
+    assert lines[-1] == ("verdict: with FASTBATCH=1 these pieces would act: "
+                         + ", ".join(v2_pieces()))
