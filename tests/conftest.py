@@ -96,16 +96,17 @@ def _found(name: str) -> bool:
         return hasattr(importlib.import_module(parent), attribute)
 
 
-# The V1 runner's pieces' test files: marked ``v1_runner`` (with the tests of
-# other files that need Model Runner V1), which an environment of a vLLM
-# without it (0.34.0) deselects.
-V1_RUNNER_FILES = {f"test_{piece.name}.py" for piece in registry.pieces()
-                   if not piece.main.acts_under_v2}
-
-
 def pytest_collection_modifyitems(config, items):
+    """The tests of the V1 runner's pieces' files are marked ``v1_runner`` (as
+    are the tests of other files that need Model Runner V1), which an
+    environment of a vLLM without it (0.34.0) deselects.  (Where vLLM is
+    installed: importing the patch modules needs torch.)"""
+    if not importlib.util.find_spec("vllm"):
+        return
+    runner_files = {f"test_{piece.name}.py" for piece in registry.pieces()
+                    if not piece.main.acts_under_v2}
     for item in items:
-        if item.path.name in V1_RUNNER_FILES:
+        if item.path.name in runner_files:
             item.add_marker(pytest.mark.v1_runner)
 
 
