@@ -283,3 +283,28 @@ def test_pieces_without_a_target_are_one_group(stock, monkeypatch, logs):
     assert line.startswith("fastbatch: Model Runner V2 in use (not built yet): fastbatch's "
                            f"runner pieces have {reason}")
     assert "VLLM_USE_V2_MODEL_RUNNER" not in line
+
+
+@pytest.mark.vllm
+def test_force_installs_only_code_that_passes_its_activation_check(stock, monkeypatch, logs):
+    """``FASTBATCH=force`` skips the release list and the fingerprints, never
+    the activation check: each patch it installs passes its check against
+    vLLM's code, and each host piece it leaves out says why in an error."""
+    monkeypatch.setenv("FASTBATCH", "force")
+    monkeypatch.setattr(vllm_plugin, "_reported_without_target", False)
+    vllm_plugin.register()
+    absent = vllm_plugin.without_target()
+    applied = 0
+    for piece in registry.pieces():
+        if piece.name in absent:
+            assert not piece.is_applied()
+            continue
+        for patch in piece.patches:
+            if patch.is_applied():
+                applied += 1
+                if patch.requires is None:
+                    assert patch.activation_check(patch.original(), patch.replacement) is None
+            elif patch.requires is None or patch.requires.is_applied():
+                assert any(level == logging.ERROR and "activation check failed for "
+                           f"{patch.target}" in line for level, line in logs), patch.target
+    assert applied > 0
