@@ -270,6 +270,31 @@ def test_trusted_allocate_slots_returning_none_is_vllms(monkeypatch):
     assert refused and len(calls["fast"]) > len(calls["stock"])
 
 
+def test_allocate_slots_checked_by_fastbatch_verify_is_called(monkeypatch, tmp_path):
+    """``allocate_slots`` checked by ``FASTBATCH_VERIFY`` (fastbatch's shadow
+    wrapper of the compiled method, every call checked): the compiled loop
+    calls it as vLLM's loop does and takes requests; the schedule is stock's."""
+    from fastbatch import _verify
+
+    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
+    main = allocate_slots.PATCH
+    for name, value in (("checked", 0), ("divergences", 0), ("reproducers", [])):
+        monkeypatch.setattr(main, name, value)
+    checked = _verify.checked_replacement(main, STOCK_ALLOCATE, 1.0)
+    assert checked.__fastbatch__ is True
+
+    def make_checked(workload):
+        scheduler = make_fast(workload, allocate=False)
+        manager = scheduler.kv_cache_manager
+        manager.allocate_slots = MethodType(checked, manager)
+        return scheduler
+
+    _reset()
+    lockstep.Lockstep(lockstep.SPEC_WORKLOADS[-1], seed=6, make_fast=make_checked).run(60)
+    assert compiled_piece.stats()["requests"] > 0
+    assert main.checked > 0 and main.divergences == 0
+
+
 def test_allocate_slots_binding_decided_at_bind():
     """The kinds the patch binds: vLLM's own ``allocate_slots`` trusted where
     its fingerprint is verified, the release's token store."""
