@@ -35,7 +35,7 @@ RELEASES: dict[str, tuple[str, ...]] = {
         "0.31.0", "0.32.0", "0.33.0", "0.34.0",
     ),
     "vllm.v1.core.sched.scheduler.Scheduler.schedule": (
-        "0.32.0", "0.33.0",
+        "0.32.0", "0.33.0", "0.34.0",
     ),
     "vllm.v1.core.sched.scheduler.Scheduler.update_from_output": (
         "0.32.0", "0.33.0", "0.34.0",
