@@ -29,7 +29,7 @@ RELEASES: dict[str, tuple[str, ...]] = {
         "0.31.0", "0.32.0", "0.33.0",
     ),
     "vllm.v1.core.sched.scheduler.Scheduler._make_cached_request_data": (
-        "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+        "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0",
     ),
     "vllm.v1.core.sched.scheduler.Scheduler._update_after_schedule": (
         "0.31.0", "0.32.0", "0.33.0", "0.34.0",
