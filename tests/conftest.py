@@ -122,13 +122,13 @@ if importlib.util.find_spec("vllm"):
     # of torch, transformers and vLLM is not ours to fix: import them quietly.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        import vllm.v1.core.sched.scheduler  # noqa: F401
+        import vllm.v1.core.sched.scheduler
         # Model Runner V1's modules, where this vLLM still has them (0.33.0 and
         # earlier; 0.34.0 removed them).
         V1_RUNNER = importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
         if V1_RUNNER:
             import vllm.v1.worker.gpu_input_batch
-            import vllm.v1.worker.gpu_model_runner  # noqa: F401
+            import vllm.v1.worker.gpu_model_runner
     import vllm.triton_utils
     from vllm.platforms.cpu import CpuPlatform
 

