@@ -10,13 +10,15 @@ here before that call.
 
 It writes into ``FASTBATCH_UNIT_OUT``: ``outcomes.json`` (the controller's,
 one outcome a test id) and ``status-<pid>.json`` (each process that ran
-tests: ``fastbatch.vllm_plugin.status()``, counters and verify results).
+tests: ``fastbatch.vllm_plugin.status()``, counters and verify results, and
+``by_file``: per test file the CPU seconds and the counters that moved).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -56,10 +58,13 @@ def pytest_configure(config: pytest.Config) -> None:
     _last.update(_flat_stats())
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_runtest_teardown(item: pytest.Item) -> None:
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    cpu = time.process_time()
+    yield
     now = _flat_stats()
     into = _by_file.setdefault(item.nodeid.split("::")[0], {})
+    into["cpu_s"] = round(into.get("cpu_s", 0) + time.process_time() - cpu, 3)
     for name, value in now.items():
         if value != _last.get(name, 0):
             into[name] = into.get(name, 0) + value - _last.get(name, 0)
@@ -96,7 +101,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         from fastbatch.vllm_plugin import status
     except ImportError:  # stock run without fastbatch installed
         return
-    if not _outcomes and not hasattr(session.config, "workerinput"):
+    if not _by_file:  # the xdist controller: it ran no test
         return
     with open(os.path.join(out, f"status-{os.getpid()}.json"), "w") as f:
         json.dump(dict(status(), by_file=_by_file), f, indent=1, default=str)
