@@ -296,7 +296,7 @@ def make_scheduler(workload: Workload) -> Any:
         from vllm.utils.math_utils import cdiv
 
         scheduler.num_spec_tokens = workload.num_spec_tokens
-        if workload.async_scheduling:
+        if hasattr(scheduler, "_spec_token_placeholders"):  # up to 0.33.0's AsyncScheduler
             scheduler._spec_token_placeholders = [-1] * workload.num_spec_tokens
         scheduler.num_lookahead_tokens = workload.num_lookahead_tokens
         scheduler._spec_decode_step_blocks = cdiv(

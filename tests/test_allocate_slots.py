@@ -1,6 +1,7 @@
 """Piece ``allocate_slots``: ``KVCacheManager.allocate_slots``'s decode fast answer.
 
-Against the REAL vLLM 0.33.0 scheduler (tox -e vllm), no model: the lockstep
+Against the REAL installed vLLM scheduler (0.33.0 in tox -e vllm; 0.34.0, whose
+requests keep their tokens in a ``TokenBuffer``, too), no model: the lockstep
 harness (``scheduler_lockstep``) drives a stock scheduler and one whose KV
 manager answers through fastbatch, with the same requests and model outputs,
 and compares scheduler outputs, engine-core outputs, the whole KV-cache state
@@ -22,8 +23,9 @@ the other implementation's counters did not move.
 Also: the harness reports a planted one-token difference; compiled vs twin
 on generated stand-ins (hypothesis), the method and the decision alone;
 vLLM's signature, arguments forwarded as they came; the guard, the
-activation check, bad input, leaks; the plugin, by the piece's name and by
-its deprecated 0.1 name ``scheduler``.
+activation check (which fails where the fast path took no call), bad input,
+leaks; the plugin, by the piece's name and by its deprecated 0.1 name
+``scheduler``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import inspect
 import itertools
 import logging
 import os
+from array import array
 from types import MethodType, SimpleNamespace
 
 import pytest
@@ -391,9 +394,23 @@ RUNNING, WAITING = object(), object()
 KINDS = (_Manager, (_Coordinator,), _Single, _Pool, _Request, _Spec, RUNNING)
 
 
+class _Tokens(array):
+    """vLLM 0.34.0's ``TokenBuffer`` as the compiled call meets it: a
+    subclass of ``array('i')`` whose slices are lists."""
+
+    __slots__ = ()
+
+    def __new__(cls, tokens=()):
+        return super().__new__(cls, "i", tokens)
+
+    def __getitem__(self, index):
+        item = array.__getitem__(self, index)
+        return item.tolist() if isinstance(index, slice) else item
+
+
 def _stand_in(num_blocks, num_computed, num_new, max_model_len, block_size, hash_block_size,
               num_cached, num_tokens, reprefillable, free, caching, cacheable, running,
-              has_blocks, partial_hit, pinned=(True, True, True)):
+              has_blocks, partial_hit, pinned=(True, True, True), token_buffer=False):
     pinned_pool, pinned_request, pinned_spec = pinned
     if pinned_pool:
         pool = _Pool()
@@ -420,7 +437,8 @@ def _stand_in(num_blocks, num_computed, num_new, max_model_len, block_size, hash
     manager.empty_kv_cache_blocks = SimpleNamespace(blocks=((),))
     request = _Request() if pinned_request else SimpleNamespace(num_tokens=num_tokens)
     if pinned_request:
-        request._all_token_ids = [0] * num_tokens
+        # A list (vLLM up to 0.33.0) or an int32 array (0.34.0's TokenBuffer).
+        request._all_token_ids = (_Tokens if token_buffer else list)([0] * num_tokens)
     request.request_id, request.status = "r", RUNNING if running else WAITING
     request.num_computed_tokens = num_computed
     return manager, request
@@ -440,14 +458,16 @@ def _recording_stock(calls):
        st.booleans(), st.booleans(), st.booleans(), st.booleans(), st.booleans(),
        st.integers(0, 4), st.tuples(st.booleans(), st.booleans(), st.booleans()),
        st.one_of(st.integers(0, 8), st.sampled_from([-1, 2**30, 2**40, 0.0, 1.0, False,
-                                                      True, None])))
+                                                      True, None])),
+       st.booleans())
 def test_compiled_matches_twin(num_blocks, num_computed, num_new, max_model_len, block_size,
                                hash_block_size, num_cached, num_tokens, reprefillable, free,
                                caching, cacheable, running, has_blocks, partial_hit, reserved,
-                               pinned, lookahead):
+                               pinned, lookahead, token_buffer):
     manager, request = _stand_in(num_blocks, num_computed, num_new, max_model_len, block_size,
                                  hash_block_size, num_cached, num_tokens, reprefillable, free,
-                                 caching, cacheable, running, has_blocks, partial_hit, pinned)
+                                 caching, cacheable, running, has_blocks, partial_hit, pinned,
+                                 token_buffer)
     expected = _reference.allocate_slots_is_noop(manager, request, num_new, reserved, KINDS)
     assert _kernels.allocate_slots_is_noop(manager, request, num_new, reserved,
                                            KINDS) is expected
@@ -621,17 +641,59 @@ def test_guard_accepts_this_vllm_and_refuses_a_changed_method():
 
     assert patch.PATCH.check_target(vllm.__version__, STOCK) is None
     assert "not a verified variant" in patch.PATCH.check_target(vllm.__version__, make_fast)
-    assert "not a verified version" in patch.PATCH.check_target("0.34.0", STOCK)
+    # A release after the newest one the release tool accepts for the target.
+    newest = max(patch.PATCH.versions, key=lambda version: tuple(map(int, version.split("."))))
+    major, minor, _ = map(int, newest.split("."))
+    unknown = f"{major}.{minor + 1}.0"
+    assert "not a verified version" in patch.PATCH.check_target(unknown, STOCK)
     assert patch.overridden_methods() == []
 
 
 def test_activation_check_passes_and_refuses_a_wrong_kernel():
+    compiled_piece.reset_stats()
     assert patch.activation_check(STOCK, patch.allocate_slots) is None
+    counters = compiled_piece.stats()  # the compiled piece took the check's calls
+    assert counters["noop_allocations"] > counters["noop_lookahead_allocations"] > 0
+    assert counters["direct_allocations"] > 0 and counters["stock_allocations"] > 0
 
     def always_empty(self, request, num_new_tokens, **ignored):
         return self.empty_kv_cache_blocks
 
     assert patch.activation_check(STOCK, always_empty) is not None
+
+
+def test_activation_check_refuses_a_kernel_that_hands_every_call_to_vllm():
+    """vLLM's own method as the replacement: every result matches, and the
+    check still fails, because the fast path took nothing."""
+    problem = patch.activation_check(STOCK, STOCK)
+    assert problem is not None and "never answered a decode call itself" in problem
+    assert "planned an allocation or caching itself" in problem
+
+
+def test_activation_check_refuses_a_kernel_bound_to_classes_it_does_not_meet(monkeypatch):
+    """The compiled piece bound to a manager class that is not the one in use
+    (as after vLLM renamed or replaced it): it hands every call back, its
+    results are vLLM's, and the check says the fast path took nothing."""
+    real = patch.kinds()
+    monkeypatch.setattr(patch, "kinds", lambda: (type("OtherManager", (), {}), *real[1:]))
+    problem = patch.activation_check(STOCK, patch.allocate_slots)
+    assert problem is not None and "does not take this vLLM's requests" in problem
+
+
+def test_activation_check_refuses_a_kernel_that_never_plans(monkeypatch):
+    """A kernel that answers the no-op calls but hands every call that needs
+    a block or caching back: the check requires the planned path too."""
+    def never_plans(self, request, num_new_tokens, **kwargs):
+        reserved = kwargs.get("reserved_blocks", 0)
+        lookahead = kwargs.get("num_lookahead_tokens", 0)
+        if compiled_piece.allocate_slots_is_noop(self, request, num_new_tokens, reserved,
+                                                 patch.kinds(), lookahead):
+            return self.empty_kv_cache_blocks
+        return STOCK(self, request, num_new_tokens, **kwargs)
+
+    problem = patch.activation_check(STOCK, never_plans)
+    assert problem is not None and "never planned an allocation" in problem
+    assert "answered a decode call" not in problem
 
 
 def test_plugin_applies_and_reverts(monkeypatch):

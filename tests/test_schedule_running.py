@@ -22,6 +22,7 @@ in lockstep, a planted bug caught and vLLM's loop's result in place).
 
 from __future__ import annotations
 
+import array
 import contextlib
 import logging
 import os
@@ -79,7 +80,8 @@ def make_fast(workload, piece=compiled_piece, allocate=True):
         scheduler.schedule = MethodType(patch.schedule, scheduler)
     else:
         built = patch.transformed(STOCK, lambda self, *arguments: piece.schedule_running_requests(
-            self, *arguments, (patch._KINDS[0], _reference.allocate_slots.allocate_slots)))
+            self, *arguments,
+            (patch._KINDS[0], _reference.allocate_slots.allocate_slots, *patch._KINDS[2:])))
         scheduler.schedule = MethodType(built, scheduler)
     if allocate:
         manager = scheduler.kv_cache_manager
@@ -122,17 +124,63 @@ def test_lockstep_with_vllms_allocate_slots(workload):
     assert allocations["noop_allocations"] == allocations["direct_allocations"] == 0
 
 
-@pytest.mark.parametrize("workload", ALL_WORKLOADS, ids=lambda w: w.name)
-def test_lockstep_with_every_scheduler_piece(workload):
-    """As ``FASTBATCH=1`` leaves a scheduler: the five scheduler pieces."""
+# Where each scheduler piece sits on a scheduler made fast by
+# ``make_fast_with_every_scheduler_piece`` (an instance attribute; on the KV
+# manager for allocate_slots): deleting it puts the class's (vLLM's) back.
+_PIECE_ATTRIBUTES = {"after_schedule": ("scheduler", "_update_after_schedule"),
+                     "allocate_slots": ("manager", "allocate_slots"),
+                     "cached_requests": ("scheduler", "_make_cached_request_data"),
+                     "schedule_running": ("scheduler", "schedule"),
+                     "update_from_output": ("scheduler", "update_from_output")}
+
+
+def _guard_accepts(name):
+    """Whether every patch of piece ``name`` is a verified target on this
+    vLLM (release and fingerprints), as ``FASTBATCH=1`` requires to install it."""
+    import vllm
+
+    return all(each.check_target(vllm.__version__, each.original() or each.current()) is None
+               for each in registry.piece(name).patches)
+
+
+def make_fast_as_fastbatch_leaves_it(workload):
+    """As ``FASTBATCH=1`` leaves a scheduler: every scheduler piece that this
+    vLLM is a verified target of (all five on vLLM 0.32.0 and 0.33.0), the
+    others left vLLM's."""
     from test_update_from_output import make_fast_with_every_scheduler_piece
 
+    scheduler = make_fast_with_every_scheduler_piece(workload)
+    for name, (owner, attribute) in _PIECE_ATTRIBUTES.items():
+        if not _guard_accepts(name):
+            delattr(scheduler.kv_cache_manager if owner == "manager" else scheduler, attribute)
+    return scheduler
+
+
+@pytest.mark.parametrize("workload", ALL_WORKLOADS, ids=lambda w: w.name)
+def test_lockstep_with_every_scheduler_piece(workload):
+    """As ``FASTBATCH=1`` leaves a scheduler: the five scheduler pieces, where
+    this vLLM is a verified target of each."""
+    assert _guard_accepts("schedule_running") and _guard_accepts("allocate_slots")
     _reset()
     lockstep.Lockstep(workload, seed=9,
-                      make_fast=make_fast_with_every_scheduler_piece).run(STEPS_PER_WORKLOAD)
+                      make_fast=make_fast_as_fastbatch_leaves_it).run(STEPS_PER_WORKLOAD)
     stats = fastbatch.stats()
     assert stats["schedule_running"]["requests"] > 0
-    assert stats["update_from_output"]["fast_outputs"] > 0
+    assert stats["allocate_slots"]["noop_allocations"] > 0
+    if _guard_accepts("update_from_output"):
+        assert stats["update_from_output"]["fast_outputs"] > 0
+    else:
+        assert not any(stats["update_from_output"].values())
+
+
+def test_every_scheduler_piece_is_a_verified_target_where_token_ids_are_lists():
+    """The lockstep above runs all five pieces together on every release
+    whose requests hold their token ids in lists (before vLLM 0.34.0's
+    TokenBuffer); on 0.34.0 at least this piece and allocate_slots."""
+    accepted = {name: _guard_accepts(name) for name in _PIECE_ATTRIBUTES}
+    assert accepted["schedule_running"] and accepted["allocate_slots"]
+    if patch.token_store() is list:
+        assert all(accepted.values()), accepted
 
 
 def test_lockstep_with_the_pure_python_twin():
@@ -142,6 +190,269 @@ def test_lockstep_with_the_pure_python_twin():
                           make_fast=lambda w: make_fast(w, twin_piece)).run(60)
     assert twin_piece.stats()["requests"] > 0
     assert compiled_piece.stats() == IDLE
+
+
+# allocate_slots answering None for a running request (issue 52) ----------------
+
+def _refusing(harness, inner, calls):
+    """An ``allocate_slots`` that returns None for some running requests (one
+    in five, by request and step: the same on both sides of the lockstep) and
+    otherwise answers as ``inner``; each call recorded in ``calls``."""
+    from vllm.v1.request import RequestStatus
+
+    def allocate_slots(request, num_new_tokens, *args, **kwargs):
+        calls.append((harness.steps, request.request_id, num_new_tokens, len(args),
+                      tuple(sorted((name, value) for name, value in kwargs.items()
+                                   if type(value) in (int, bool)))))
+        if (request.status == RequestStatus.RUNNING
+                and (harness.steps + int(request.request_id[1:])) % 5 == 0):
+            return None
+        return inner(request, num_new_tokens, *args, **kwargs)
+
+    return allocate_slots
+
+
+@pytest.mark.parametrize("how", ["instance-function", "bound-wrapper", "mock"])
+@pytest.mark.parametrize("workload", [lockstep.WORKLOADS[1], lockstep.SPEC_WORKLOADS[0]],
+                         ids=lambda w: w.name)
+def test_allocate_slots_of_another_kind_returning_none_is_vllms(workload, how):
+    """A KV manager whose ``allocate_slots`` is neither fastbatch's nor vLLM's
+    own (a wrapper, another plugin, a mock) and returns None for running
+    requests: the schedule is stock's (it stalls or preempts them), with the
+    same calls, never a request scheduled with None blocks; the compiled loop
+    leaves every call to vLLM's loop."""
+    from unittest import mock
+
+    _reset()
+    harness = lockstep.Lockstep(workload, seed=23, make_fast=make_fast)
+    calls = {"stock": [], "fast": []}
+    for side in ("stock", "fast"):
+        manager = getattr(harness, side).kv_cache_manager
+        wrapper = _refusing(harness, manager.allocate_slots, calls[side])
+        if how == "instance-function":
+            manager.allocate_slots = wrapper
+        elif how == "bound-wrapper":
+            manager.allocate_slots = MethodType(
+                lambda self, *args, wrapper=wrapper, **kwargs: wrapper(*args, **kwargs), manager)
+        else:
+            manager.allocate_slots = mock.Mock(side_effect=wrapper)
+    harness.run(150)  # raises Divergence at the first difference
+    assert calls["fast"] == calls["stock"]
+    assert harness.preemptions > 0  # the None answers were acted on, as stock does
+    assert compiled_piece.stats()["requests"] == 0
+
+
+def test_trusted_allocate_slots_returning_none_is_vllms(monkeypatch):
+    """vLLM's own ``allocate_slots`` (here a stand-in in its place among the
+    trusted functions, the compiled loop calling it after its plan) returns
+    None for a running request: the compiled loop hands the request to
+    vLLM's loop, which asks again and stalls or preempts as stock; the
+    requests before it are the compiled loop's."""
+    _reset()
+    workload = lockstep.WORKLOADS[1]
+    harness = lockstep.Lockstep(workload, seed=29,
+                                make_fast=lambda w: make_fast(w, allocate=False))
+    calls = {"stock": [], "fast": []}
+    functions = {}
+    for side in ("stock", "fast"):
+        manager = getattr(harness, side).kv_cache_manager
+        wrapper = _refusing(harness, manager.allocate_slots, calls[side])
+        functions[side] = lambda self, *args, wrapper=wrapper, **kwargs: wrapper(*args, **kwargs)
+        manager.allocate_slots = MethodType(functions[side], manager)
+    monkeypatch.setattr(patch, "_KINDS", (*patch._KINDS[:3], (functions["fast"],)))
+    harness.run(150)  # raises Divergence at the first difference
+    assert harness.preemptions > 0
+    assert compiled_piece.stats()["requests"] > 0
+    assert compiled_piece.stats()["handed_over"] > 0
+    # Every refused call was made again by vLLM's loop (the same answer: None).
+    refused = [call for call in calls["fast"]
+               if (call[0] + int(call[1][1:])) % 5 == 0]
+    assert refused and len(calls["fast"]) > len(calls["stock"])
+
+
+def test_allocate_slots_checked_by_fastbatch_verify_is_called(monkeypatch, tmp_path):
+    """``allocate_slots`` checked by ``FASTBATCH_VERIFY`` (fastbatch's shadow
+    wrapper of the compiled method, every call checked): the compiled loop
+    calls it as vLLM's loop does and takes requests; the schedule is stock's."""
+    from fastbatch import _verify
+
+    monkeypatch.setenv("FASTBATCH_VERIFY_DIR", str(tmp_path))
+    main = allocate_slots.PATCH
+    for name, value in (("checked", 0), ("divergences", 0), ("reproducers", [])):
+        monkeypatch.setattr(main, name, value)
+    checked = _verify.checked_replacement(main, STOCK_ALLOCATE, 1.0)
+    assert checked.__fastbatch__ is True
+
+    def make_checked(workload):
+        scheduler = make_fast(workload, allocate=False)
+        manager = scheduler.kv_cache_manager
+        manager.allocate_slots = MethodType(checked, manager)
+        return scheduler
+
+    _reset()
+    lockstep.Lockstep(lockstep.SPEC_WORKLOADS[-1], seed=6, make_fast=make_checked).run(60)
+    assert compiled_piece.stats()["requests"] > 0
+    assert main.checked > 0 and main.divergences == 0
+
+
+def test_allocate_slots_binding_decided_at_bind():
+    """The kinds the patch binds: vLLM's own ``allocate_slots`` trusted where
+    its fingerprint is verified, the release's token store."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    request_type, kernel, store, trusted = patch._KINDS
+    assert request_type is Request and kernel is allocate_slots.allocate_slots
+    assert trusted == (allocate_slots.PATCH.original() or KVCacheManager.allocate_slots,)
+    assert type(patch._request("probe", 4, 1, 0)._all_token_ids) in (list, store)
+
+
+def test_a_wrapper_in_vllms_place_is_not_trusted(monkeypatch):
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    stock = KVCacheManager.allocate_slots
+
+    def wrapped(self, *args, **kwargs):
+        return stock(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVCacheManager, "allocate_slots", wrapped)
+    assert patch.verified_allocate_slots() == ()
+
+
+# What vLLM's loop reads only on some paths -------------------------------------
+
+@pytest.mark.parametrize("piece", [compiled_piece, twin_piece], ids=["compiled", "twin"])
+@pytest.mark.parametrize("attribute", ["ec_connector", "need_mamba_block_aligned_split",
+                                       "max_model_len", "num_sampled_tokens_per_step",
+                                       "num_prefill_lookahead", "num_lookahead_tokens",
+                                       "kv_cache_manager"])
+def test_a_scheduler_without_what_the_loop_does_not_read_is_served(piece, attribute):
+    """Every running request waits for a later step (``next_decode_eligible_step``):
+    vLLM's loop then reads none of these; a scheduler without one (built
+    without ``__init__``, as vLLM's own tests do) is served as stock serves it,
+    the loop left to vLLM's, no AttributeError."""
+    scheduler, state = _scheduler_and_state()
+    for request in scheduler.running:
+        request.next_decode_eligible_step = 99
+    delattr(scheduler, attribute)
+    arguments = _arguments(state)
+    result = piece.schedule_running_requests(scheduler, *arguments, patch._KINDS)
+    assert result == (0, 400, 440, False, False)
+    reads = dict(zip(patch.LOOP_ARGUMENTS, arguments, strict=True), drafts_needed=False)
+    stock = patch._VLLM_LOOP(scheduler, **{name: reads.get(name)
+                                            for name in patch._VLLM_LOOP.reads})
+    assert stock["req_index"] == len(scheduler.running) and arguments[8:] == ([], {}, {}, {})
+
+
+@pytest.mark.parametrize("piece", [compiled_piece, twin_piece], ids=["compiled", "twin"])
+def test_a_loop_that_does_not_start_reads_nothing(piece):
+    scheduler = Scheduler.__new__(Scheduler)
+    scheduler.running = []
+    arguments = (0, 400, 440, 0, 0, False, False, False, [], {}, {}, {})
+    assert piece.schedule_running_requests(scheduler, *arguments, patch._KINDS) == (
+        0, 400, 440, False, False)
+    scheduler.running = [object()]
+    arguments = (0, 0, 440, 0, 0, False, False, False, [], {}, {}, {})  # no token budget
+    assert piece.schedule_running_requests(scheduler, *arguments, patch._KINDS) == (
+        0, 0, 440, False, False)
+
+
+# Token stores: lists, vLLM 0.34.0's TokenBuffer, any array('i') bound ----------
+
+class _LocalTokens(array.array):
+    """An ``array('i')`` subclass like vLLM 0.34.0's ``TokenBuffer``."""
+
+    __slots__ = ()
+
+    def __new__(cls, tokens=()):
+        return super().__new__(cls, "i", tokens)
+
+
+@pytest.mark.parametrize("piece", [compiled_piece, twin_piece], ids=["compiled", "twin"])
+def test_token_ids_in_an_array_bound_as_the_token_store(piece):
+    """Requests whose token ids are an ``array('i')`` subclass bound as the
+    token store (as vLLM 0.34.0's TokenBuffer is): the loop reads their
+    length as vLLM's ``num_tokens`` does, and leaves the same state as
+    vLLM's loop; a store of another type hands the request to vLLM's loop."""
+    has_drafts = "drafts_needed" in patch._VLLM_LOOP.reads
+    kinds = (patch._KINDS[0], patch._KINDS[1], _LocalTokens, patch._KINDS[3])
+    states = []
+    for function in (None, piece.schedule_running_requests):
+        scheduler, state = patch._small_scheduler(Scheduler, allocate_slots.allocate_slots,
+                                                  lookahead=3, prefill_lookahead=2,
+                                                  budget=400)
+        for request in scheduler.running:
+            request._all_token_ids = _LocalTokens(request._all_token_ids)
+        before = piece.stats()["requests"]
+        bound = None if function is None else (
+            lambda *args, function=function: function(*args[:-1], kinds))
+        states.append(patch.run_loops(bound, scheduler, state, has_drafts))
+        if function is not None:
+            assert piece.stats()["requests"] - before > 5
+    assert states[1] == states[0]
+    scheduler, state = _scheduler_and_state()
+    for request in scheduler.running:
+        request._all_token_ids = list(request._all_token_ids)
+    scheduler.running[1]._all_token_ids = _LocalTokens(scheduler.running[1]._all_token_ids)
+    arguments = _arguments(state)
+    index, *_ = piece.schedule_running_requests(
+        scheduler, *arguments, (*patch._KINDS[:2], bytearray, patch._KINDS[3]))
+    assert index == 1 and [request.request_id for request in arguments[8]] == ["decode"]
+
+
+def test_activation_check_refuses_a_kernel_that_hands_every_request_back(monkeypatch):
+    def hands_back(scheduler, req_index, token_budget, input_budget, draft_slots, threshold,
+                   defer, prefill_scheduled, drafts_needed, *rest):
+        return req_index, token_budget, input_budget, prefill_scheduled, drafts_needed
+
+    monkeypatch.setattr(fastbatch, "schedule_running_requests", hands_back)
+    problem = patch.activation_check(STOCK, patch.schedule)
+    assert problem is not None and "scheduled no request itself" in problem
+
+
+def test_activation_check_refuses_the_wrong_token_store(monkeypatch):
+    """Bound to lists alone: where vLLM's requests hold a TokenBuffer (0.34.0)
+    the kernel would hand every request back, and the check says so; where
+    they hold lists, it passes."""
+    monkeypatch.setattr(patch, "token_store", lambda: list)
+    problem = patch.activation_check(STOCK, patch.schedule)
+    if type(patch._request("probe", 4, 1, 0)._all_token_ids) is list:
+        assert problem is None
+    else:
+        assert problem is not None and "scheduled no request itself" in problem
+
+
+def test_activation_check_refuses_a_scheduler_attribute_vllms_loop_does_not_read(monkeypatch):
+    monkeypatch.setattr(patch, "SCHEDULER_READ", (*patch.SCHEDULER_READ, "use_v2_model_runner"))
+    problem = patch.activation_check(STOCK, patch.schedule)
+    assert problem is not None and "use_v2_model_runner" in problem
+
+
+def test_long_prefill_threshold_is_the_releases():
+    """What ``schedule`` computes around the loop is vLLM's own code of this
+    release: with chunked prefill off, vLLM 0.34.0 passes a threshold of 0
+    (0.33.0 the configured one)."""
+    import inspect
+
+    workload = lockstep.WORKLOADS[8]  # chunked-prefill: threshold 24
+    seen = []
+
+    def helper(self, *arguments):
+        seen.append(dict(zip(patch.LOOP_ARGUMENTS, arguments, strict=True)))
+        return patch._unchanged(arguments)
+
+    built = patch.transformed(STOCK, helper)
+    for chunked in (True, False):
+        scheduler = lockstep.make_scheduler(workload)
+        scheduler.scheduler_config.enable_chunked_prefill = chunked
+        for spec_id in ("a", "b"):
+            scheduler.add_request(lockstep.make_request(lockstep.RequestSpec(
+                request_id=spec_id, prompt=tuple(range(3, 40)), max_tokens=4, min_tokens=0,
+                stop_token_ids=(), ignore_eos=False),
+                workload.block_size))
+        built(scheduler)
+    needs_chunked = "enable_chunked_prefill and num_eligible_reqs" in inspect.getsource(STOCK)
+    assert [each["long_prefill_token_threshold"] for each in seen] == [
+        24, 0 if needs_chunked else 24]
 
 
 def test_source_transform_adds_one_call_before_vllms_loop():

@@ -1,6 +1,6 @@
 """Piece ``update_from_output``: the plain decodes of ``Scheduler.update_from_output``.
 
-Against the REAL vLLM 0.33.0 scheduler (tox -e vllm), no model: the lockstep
+Against the REAL vLLM scheduler (0.33.0 and 0.34.0), no model: the lockstep
 harness (``scheduler_lockstep``) drives a stock scheduler and one whose
 ``update_from_output`` goes through fastbatch (alone, and together with every
 other scheduler piece: ``allocate_slots``, ``_update_after_schedule``,
@@ -24,6 +24,12 @@ on a stand-in scheduler with the slices checked as views of the same
 buffers, and planted wrong logprobs (a wrong row, a wrong dtype) that the
 activation check and ``FASTBATCH_VERIFY`` must catch.
 
+vLLM 0.34.0 (``ROWS_FROM_REQ_IDS``): rows found in ``req_ids`` (in order,
+reversed, an id listed twice), ``_all_token_ids`` as a ``TokenBuffer``, and
+on every release as a local ``array('i')`` subclass (tokens past a C int go to
+vLLM), the Mamba caching rule (older releases: the same steps, unread).
+Issue 52: a scheduler missing any one attribute ends as vLLM's does.
+
 Also: compiled vs twin on generated real requests (hypothesis); the guard,
 the activation check (refuses a wrong kernel), bad input (nothing changed),
 leaks; the plugin, by the piece's name and by its deprecated 0.1 name
@@ -37,6 +43,7 @@ import copy
 import dataclasses
 import logging
 import os
+from array import array
 from types import MethodType, SimpleNamespace
 
 import numpy
@@ -48,6 +55,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.utils import ConstantList
 
 import fastbatch
 from fastbatch import _kernels, _reference, _verify, registry, vllm_plugin
@@ -57,6 +65,18 @@ from leaks import assert_no_leak
 
 pytestmark = pytest.mark.vllm
 STOCK = Scheduler.update_from_output
+# vLLM 0.34.0 removed ModelRunnerOutput.req_id_to_index: vLLM finds a request's
+# row in req_ids (the kernel's variant 3); older releases by the index map.
+ROWS_FROM_REQ_IDS = "req_id_to_index" not in ModelRunnerOutput.__dataclass_fields__
+VARIANT = 3 if ROWS_FROM_REQ_IDS else 0  # this vLLM's rule for both scheduler classes
+
+
+def row_of(runner_output, request_id):
+    """The row vLLM reads for ``request_id`` (the last position of its id in
+    req_ids on vLLM 0.34.0)."""
+    if ROWS_FROM_REQ_IDS:
+        return {rid: i for i, rid in enumerate(runner_output.req_ids)}[request_id]
+    return runner_output.req_id_to_index[request_id]
 TOTAL_STEPS = int(os.environ.get("FASTBATCH_LOCKSTEP_STEPS", "2000"))
 STEPS_PER_WORKLOAD = max(1, TOTAL_STEPS // len(lockstep.WORKLOADS))
 
@@ -69,20 +89,39 @@ def make_fast(workload: lockstep.Workload):
     return scheduler
 
 
+def _verified(*patches):
+    """This vLLM is a verified target of every one of ``patches`` (their guard)."""
+    import vllm
+
+    return all(one.check_target(vllm.__version__, one.current()) is None for one in patches)
+
+
+# The other scheduler pieces that FASTBATCH=1 would install on this vLLM (on
+# vLLM 0.34.0 those not ported yet are left out, as the guard leaves them stock).
+OTHER_PIECES = {name: _verified(*patches) for name, patches in (
+    ("allocate_slots", (allocate_slots.PATCH,)), ("after_schedule", after_schedule.PATCHES),
+    ("cached_requests", (cached_requests.PATCH,)), ("schedule_running", (schedule_running.PATCH,)))}
+
+
 def make_fast_with_every_scheduler_piece(workload: lockstep.Workload):
     """As ``FASTBATCH=1`` leaves a scheduler: this piece with ``allocate_slots``,
-    ``after_schedule``, ``cached_requests`` and ``schedule_running``."""
+    ``after_schedule``, ``cached_requests`` and ``schedule_running`` (those of
+    them this vLLM is a verified target for, ``OTHER_PIECES``)."""
     scheduler = make_fast(workload)
-    allocate_slots.bind()
-    schedule_running.bind()
-    scheduler.schedule = MethodType(schedule_running.schedule, scheduler)
-    manager = scheduler.kv_cache_manager
-    manager.allocate_slots = MethodType(allocate_slots.allocate_slots, manager)
-    after = (after_schedule._update_after_schedule_async if workload.async_scheduling
-             else after_schedule._update_after_schedule)
-    scheduler._update_after_schedule = MethodType(after, scheduler)
-    scheduler._make_cached_request_data = MethodType(
-        cached_requests._make_cached_request_data, scheduler)
+    if OTHER_PIECES["schedule_running"]:
+        schedule_running.bind()
+        scheduler.schedule = MethodType(schedule_running.schedule, scheduler)
+    if OTHER_PIECES["allocate_slots"]:
+        allocate_slots.bind()
+        manager = scheduler.kv_cache_manager
+        manager.allocate_slots = MethodType(allocate_slots.allocate_slots, manager)
+    if OTHER_PIECES["after_schedule"]:
+        after = (after_schedule._update_after_schedule_async if workload.async_scheduling
+                 else after_schedule._update_after_schedule)
+        scheduler._update_after_schedule = MethodType(after, scheduler)
+    if OTHER_PIECES["cached_requests"]:
+        scheduler._make_cached_request_data = MethodType(
+            cached_requests._make_cached_request_data, scheduler)
     return scheduler
 
 
@@ -121,7 +160,8 @@ def test_lockstep_with_every_scheduler_piece(workload):
     for name, counter in (("update_from_output", "fast_outputs"),
                           ("allocate_slots", "noop_allocations"),
                           ("after_schedule", "requests"), ("cached_requests", "requests")):
-        assert counters[name][counter] > 0, (name, counter)
+        if OTHER_PIECES.get(name, True):
+            assert counters[name][counter] > 0, (name, counter)
     assert idle(_reference.stats())  # no twin ran
 
 
@@ -138,6 +178,34 @@ def test_lockstep_with_the_pure_python_twin(monkeypatch, workload):
     assert counters["stock_outputs"] > 0  # and left some to vLLM
     assert idle(_reference.stats(), ("after_schedule", "allocate_slots", "cached_requests"))
     assert idle(_kernels.stats())  # no compiled piece ran
+
+
+def rows_reversed(monkeypatch):
+    """The lockstep's runner outputs with their rows in reverse scheduling
+    order (vLLM 0.34.0's model runner lists its batch, not
+    num_scheduled_tokens), for steps without sample logprobs."""
+    original = lockstep.Lockstep._runner_output
+
+    def reversed_rows(scheduler_output, sampled, logprobs=None):
+        output = original(scheduler_output, sampled, logprobs)
+        if logprobs is None:
+            output.req_ids.reverse()
+            output.sampled_token_ids.reverse()
+            if not ROWS_FROM_REQ_IDS:
+                output.req_id_to_index = {rid: i for i, rid in enumerate(output.req_ids)}
+        return output
+
+    monkeypatch.setattr(lockstep.Lockstep, "_runner_output", staticmethod(reversed_rows))
+
+
+@pytest.mark.parametrize("workload", [lockstep.WORKLOADS[2], lockstep.WORKLOADS[3],
+                                      lockstep.SPEC_WORKLOADS[0], lockstep.SPEC_WORKLOADS[-1]],
+                         ids=lambda w: w.name)
+def test_lockstep_with_rows_out_of_scheduling_order(monkeypatch, workload):
+    rows_reversed(monkeypatch)
+    _kernels.reset_stats()
+    lockstep.Lockstep(workload, seed=19, make_fast=make_fast).run(STEPS_PER_WORKLOAD)
+    assert fastbatch.stats()["update_from_output"]["fast_outputs"] > 0
 
 
 def watching_takes(monkeypatch, implementation, watch):
@@ -327,13 +395,20 @@ def test_drafts_are_left_to_vllm_with_invalidated_drafts_or_several_samples():
     drafts this step; with other than one sampled token per step the
     accepted count differs: then they are not taken."""
     scheduler = lockstep.make_scheduler(lockstep.SPEC_WORKLOADS[0])
-    output = SimpleNamespace(num_invalid_spec_tokens=None)
+    drafts = {"a": [5, 6]}
+    output = SimpleNamespace(num_invalid_spec_tokens=None, scheduled_spec_decode_tokens=drafts)
     assert patch._takes_drafts(scheduler, output) is True
     scheduler.log_stats = True
     assert patch._takes_drafts(scheduler, output) is True
     assert patch._takes_drafts(scheduler, SimpleNamespace(
-        num_invalid_spec_tokens={"a": 1})) is False
+        num_invalid_spec_tokens={"a": 1}, scheduled_spec_decode_tokens=drafts)) is False
     scheduler.log_stats, scheduler.num_sampled_tokens_per_step = False, 0
+    assert patch._takes_drafts(scheduler, output) is False
+    # A step without drafts reads nothing of this (vLLM reads it only for a
+    # request with drafts): a scheduler without it is fine.
+    del scheduler.num_sampled_tokens_per_step
+    assert patch._takes_drafts(scheduler, SimpleNamespace(scheduled_spec_decode_tokens={})) \
+        is False
     assert patch._takes_drafts(scheduler, output) is False
 
 
@@ -384,12 +459,16 @@ def test_without_drafts_flag_requests_with_drafts_are_left(implementation):
 # cache manager (the stand-in scheduler of the activation check).
 
 def _state(cls, caching, specs, stop_every, logprobs=None, runner_logprobs="none",
-           requests=None):
+           requests=None, reverse_rows=False, index_map=False, token_store=None):
     """A stand-in scheduler over real requests (``specs``), its scheduler
     output and runner output; ``logprobs``: each request's sample logprobs
     (else the stand-in requests' own: None, 1, 0, -1); ``runner_logprobs``:
     the runner's (see ``_runner_logprobs``); ``requests``: the requests (else
-    the stand-in ones, as many as ``specs``)."""
+    the stand-in ones, as many as ``specs``); ``reverse_rows``: the runner's
+    rows in reverse scheduling order; ``index_map``: the runner output has a
+    ``req_id_to_index`` even where vLLM dropped it (compiled against twin in
+    variants 0 to 2); ``token_store``: each request's ``_all_token_ids``
+    becomes this type (an ``array('i')`` subclass)."""
     requests = requests or patch._stand_in_requests()[:len(specs)]
     for request, value in zip(requests, logprobs or (), strict=False):
         request.sampling_params.logprobs = value
@@ -410,17 +489,40 @@ def _state(cls, caching, specs, stop_every, logprobs=None, runner_logprobs="none
         request.num_in_flight_tokens = in_flight
         request.num_output_placeholders = placeholders
         request.status = status
+        if token_store is not None:
+            request._all_token_ids = token_store(request._all_token_ids)
+            request.all_token_ids = ConstantList(request._all_token_ids)
         scheduled[request.request_id] = in_flight or 1
         sampled.append([token])
     req_ids = list(scheduled)
-    runner_output = ModelRunnerOutput(
-        req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-        sampled_token_ids=sampled, logprobs=_runner_logprobs(runner_logprobs, len(req_ids)))
+    if reverse_rows:
+        req_ids, sampled = req_ids[::-1], sampled[::-1]
+    runner_output = runner_output_of(req_ids, sampled,
+                                     _runner_logprobs(runner_logprobs, len(req_ids)))
+    if index_map and ROWS_FROM_REQ_IDS:
+        runner_output.req_id_to_index = {rid: i for i, rid in enumerate(req_ids)}
     scheduler_output = SimpleNamespace(num_scheduled_tokens=scheduled,
                                        scheduled_spec_decode_tokens={},
                                        total_num_scheduled_tokens=sum(scheduled.values()),
                                        num_invalid_spec_tokens=None)
     return scheduler, scheduler_output, runner_output
+
+
+def runner_output_of(req_ids, sampled, logprobs=None):
+    """vLLM's ModelRunnerOutput (with ``req_id_to_index`` where it has one)."""
+    indices = ({} if ROWS_FROM_REQ_IDS else
+               {"req_id_to_index": {rid: i for i, rid in enumerate(req_ids)}})
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+                             **indices)
+
+
+class Int32Tokens(array):
+    """A local ``array('i')`` subclass, as vLLM 0.34.0's TokenBuffer is one."""
+
+    __slots__ = ()
+
+    def __new__(cls, tokens=()):
+        return super().__new__(cls, "i", tokens)
 
 
 RUNNER_LOGPROBS = ("none", "rows", "cu", "cu-short", "cu-not-int", "tuple", "lists",
@@ -483,14 +585,20 @@ REQUEST_SPECS = st.tuples(
 
 
 @given(st.sampled_from([Scheduler, AsyncScheduler]), st.booleans(),
-       st.lists(REQUEST_SPECS, min_size=1, max_size=4), st.booleans(), st.sampled_from([0, 1, 2]),
+       st.lists(REQUEST_SPECS, min_size=1, max_size=4), st.booleans(),
+       st.sampled_from([0, 1, 2, 3]),
        st.lists(st.sampled_from([None, 0, 1, 5, -1]), max_size=4),
-       st.sampled_from(RUNNER_LOGPROBS))
+       st.sampled_from(RUNNER_LOGPROBS), st.booleans(), st.sampled_from([None, Int32Tokens]))
 def test_compiled_matches_twin(cls, caching, specs, cache_some, variant, logprobs,
-                               runner_logprobs):
+                               runner_logprobs, reverse_rows, token_store):
+    """Every variant (3: rows from req_ids) on this vLLM's requests, their
+    token lists as they are or an ``array('i')`` subclass, the runner's rows
+    in scheduling order or reversed."""
     patch._bind()
-    compiled_side = _state(cls, caching, specs, cache_some, logprobs, runner_logprobs)
-    twin_side = _state(cls, caching, specs, cache_some, logprobs, runner_logprobs)
+    compiled_side, twin_side = (
+        _state(cls, caching, specs, cache_some, logprobs, runner_logprobs,
+               reverse_rows=reverse_rows, index_map=True, token_store=token_store)
+        for _ in range(2))
     compiled = _kernels.take_decode_outputs(*compiled_side, patch._KINDS, variant)
     twin = _reference.take_decode_outputs(*twin_side, patch._KINDS, variant)
     assert _plain(compiled, compiled_side[0]) == _plain(twin, twin_side[0])
@@ -502,8 +610,8 @@ def test_a_plain_decode_is_taken_alike_by_both(cls):
     patch._bind()
     specs = [(3, 7, 1, 1, RequestStatus.RUNNING, 14), (2, 9, 1, 1, RequestStatus.RUNNING, 14)]
     compiled_side, twin_side = (_state(cls, True, specs, True) for _ in range(2))
-    compiled = _kernels.take_decode_outputs(*compiled_side, patch._KINDS, 0)
-    twin = _reference.take_decode_outputs(*twin_side, patch._KINDS, 0)
+    compiled = _kernels.take_decode_outputs(*compiled_side, patch._KINDS, VARIANT)
+    twin = _reference.take_decode_outputs(*twin_side, patch._KINDS, VARIANT)
     assert compiled is not None and not compiled[1]  # both taken, none left
     assert _plain(compiled, compiled_side[0]) == _plain(twin, twin_side[0])
 
@@ -518,10 +626,10 @@ STOPS = [DECODES[0], (2, 31, 1, 1, RequestStatus.RUNNING, 14), DECODES[2],
 
 
 def _one_step(monkeypatch, implementation, cls, specs, logprobs, runner_logprobs,
-              prepare=None):
+              prepare=None, cache_some=True, **state_options):
     """vLLM's method and fastbatch's (with ``implementation``'s call) on the
-    same step (``prepare``, if given, called on each side's scheduler first):
-    both sides, their results (or what each raised)."""
+    same step (``prepare``, if given, called on each side's state first; the
+    ``_state`` options given): both sides, their results (or what each raised)."""
     patch._bind()
     monkeypatch.setattr(fastbatch, "take_decode_outputs", implementation.take_decode_outputs)
     monkeypatch.setattr(fastbatch, "merge_decode_outputs",
@@ -529,9 +637,9 @@ def _one_step(monkeypatch, implementation, cls, specs, logprobs, runner_logprobs
     implementation.reset_stats()
     sides, results = [], []
     for method in (STOCK, patch.update_from_output):
-        side = _state(cls, True, specs, True, logprobs, runner_logprobs)
+        side = _state(cls, True, specs, cache_some, logprobs, runner_logprobs, **state_options)
         if prepare is not None:
-            prepare(side[0])
+            prepare(*side)
         try:
             results.append(method(*side))
         except Exception as exc:
@@ -560,7 +668,7 @@ def test_logprob_requests_are_taken_as_vllm_slices_them(monkeypatch, implementat
             assert new_logprobs is None
         else:  # views of the runner's very arrays, as slice_request makes them
             assert_same_slice(new_logprobs, runner.logprobs.slice_request(
-                runner.req_id_to_index[rid], 1))
+                row_of(runner, rid), 1))
 
 
 @pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
@@ -585,7 +693,7 @@ def test_structured_output_requests_go_to_vllm(monkeypatch, implementation, cls)
     and the grammar sees each token once."""
     advanced = []
 
-    def with_grammars(scheduler):
+    def with_grammars(scheduler, *_):
         grammar, accepted = object(), []
         for request_id in ("r0", "r2"):
             scheduler.requests[request_id].structured_output_request = grammar
@@ -604,6 +712,228 @@ def test_structured_output_requests_go_to_vllm(monkeypatch, implementation, cls)
     assert advanced[1] == advanced[0] and [rid for rid, _ in advanced[0]] == ["r0", "r2"]
     assert implementation.update_from_output.stats() == {"fast_outputs": 2,
                                                          "stock_outputs": 2}
+
+
+def _same_step(stock, fast, stock_result, fast_result):
+    """Both sides ended alike: the same error, or the same outputs and state."""
+    if isinstance(stock_result, Exception) or isinstance(fast_result, Exception):
+        assert type(fast_result) is type(stock_result), (stock_result, fast_result)
+        assert str(fast_result) == str(stock_result)
+    else:
+        assert _side_state(fast[0], fast_result) == _side_state(stock[0], stock_result)
+
+
+def _side_state(scheduler, result):
+    """``patch._side_state`` of a scheduler that may lack some of its state
+    (a Mock or nothing in its place: compared as the same stand-in)."""
+    view = copy.copy(scheduler)
+    if type(getattr(view, "running", None)) is not list:
+        view.running = []
+    if type(getattr(view, "kv_cache_manager", None)) is not type(lockstep_manager()):
+        view.kv_cache_manager = lockstep_manager()
+    return patch._side_state(view, result)
+
+
+def lockstep_manager():
+    return allocate_slots._small_manager(False)
+
+
+# Decodes with and without placeholders (r1, r3: none; then vLLM 0.33+ reads
+# num_spec_tokens, and 0.34 the Mamba rule) and two that stop (r2, r3).
+MIXED = [(3, 7, 1, 1, RequestStatus.RUNNING, 14), (2, 9, 1, 0, RequestStatus.RUNNING, 14),
+         (2, 31, 1, 1, RequestStatus.RUNNING, 14), (3, 7, 1, 0, RequestStatus.RUNNING, 4)]
+
+
+@pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
+@pytest.mark.parametrize("specs", [DECODES, MIXED], ids=["decodes", "mixed"])
+@pytest.mark.parametrize("cls", [Scheduler, AsyncScheduler])
+def test_scheduler_state_read_only_on_some_path(monkeypatch, implementation, cls, specs):
+    """Issue 52: vLLM's own tests build a scheduler with ``object.__new__`` and
+    set only what vLLM's method reads on their path.  With any one attribute
+    of the stand-in scheduler missing, fastbatch ends as vLLM does: the same
+    outputs and state where vLLM's method runs through (then fastbatch must
+    not read it, or must take vLLM's path), the same error where it raises."""
+    names = sorted(vars(_state(cls, True, specs, True)[0]))
+    assert "num_sampled_tokens_per_step" in names and "structured_output_manager" in names
+    passed_stock = []
+    for name in names:
+        def without(scheduler, *_, name=name):
+            delattr(scheduler, name)
+
+        (stock, fast), (stock_result, fast_result) = _one_step(
+            monkeypatch, implementation, cls, specs, None, "none", without)
+        try:
+            _same_step(stock, fast, stock_result, fast_result)
+        except AssertionError as exc:
+            raise AssertionError(f"without {name}: {exc}") from exc
+        if not isinstance(stock_result, Exception):
+            passed_stock.append(name)
+    # vLLM's method reads these only on paths these steps do not take.
+    assert "num_sampled_tokens_per_step" in passed_stock
+    assert ("running" in passed_stock) == (specs is DECODES)  # read when a request stops
+
+
+def test_a_stand_in_scheduler_as_vllms_own_tests_build_it(monkeypatch):
+    """Issue 52's case (vLLM's ``test_abort_request_when_structured_output_fsm_cannot_advance``):
+    a scheduler built with ``object.__new__``, with no
+    ``num_sampled_tokens_per_step``, a Mock for the structured-output manager
+    and the KV-cache manager; a plain decode: fastbatch ends as vLLM does."""
+    from unittest.mock import Mock
+
+    def as_vllms_test_builds_it(scheduler, *_):
+        request = scheduler.requests["r0"]
+        state = vars(scheduler)
+        for name in list(state):
+            if name not in ("requests", "running", "max_model_len", "finished_req_ids",
+                            "finished_req_ids_dict", "recompute_kv_load_failures",
+                            "perf_metrics", "connector", "ec_connector",
+                            "aux_output_connector", "return_sampling_mask", "defer_block_free",
+                            "grammar_compile_error_reqs", "encoder_cache_mismatch_reqs",
+                            "is_mm_encoder_only", "num_spec_tokens", "has_mamba_layers",
+                            "vllm_config"):
+                del state[name]
+        request.structured_output_request = SimpleNamespace(grammar=Mock())
+        scheduler.structured_output_manager = Mock()
+        scheduler.structured_output_manager.accept_tokens.return_value = False
+        scheduler.kv_cache_manager = Mock()
+        scheduler.kv_cache_manager.take_events.return_value = None
+        scheduler.kv_event_publisher = Mock()
+        scheduler.make_stats = Mock(return_value=None)
+        scheduler.waiting = scheduler.kv_holding_waiting = scheduler.async_kv_waiting = Mock()
+        scheduler.deferred_waiting = set()
+        scheduler._free_request = Mock(return_value=(None, None))
+
+    (stock, fast), (stock_result, fast_result) = _one_step(
+        monkeypatch, _kernels, Scheduler, DECODES[:1], None, "none", as_vllms_test_builds_it)
+    assert not isinstance(stock_result, Exception), stock_result
+    assert stock[0].requests["r0"].status == RequestStatus.FINISHED_ERROR
+    _same_step(stock, fast, stock_result, fast_result)
+
+
+@pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
+@pytest.mark.parametrize("cls", [Scheduler, AsyncScheduler])
+@pytest.mark.parametrize("token", [7, 2**31 - 1, 2**31, -(2**31) - 1])
+def test_token_ids_in_an_int32_array(monkeypatch, implementation, cls, token):
+    """``_all_token_ids`` an ``array('i')`` subclass (vLLM 0.34.0's TokenBuffer
+    is one; here a local one on any release): the tokens appended as vLLM
+    appends them; one that does not fit a C int goes to vLLM's loop (whose
+    append raises OverflowError)."""
+    specs = [DECODES[0], (2, token, 1, 1, RequestStatus.RUNNING, 14), DECODES[2]]
+    (stock, fast), (stock_result, fast_result) = _one_step(
+        monkeypatch, implementation, cls, specs, None, "none", token_store=Int32Tokens)
+    _same_step(stock, fast, stock_result, fast_result)
+    fits = -(2**31) <= token < 2**31
+    assert isinstance(stock_result, OverflowError) == (not fits)
+    assert implementation.update_from_output.stats()["fast_outputs"] == (3 if fits else 2)
+    if fits:
+        for rid, request in fast[0].requests.items():
+            assert type(request._all_token_ids) is Int32Tokens
+            assert list(request._all_token_ids) == list(stock[0].requests[rid]._all_token_ids)
+
+
+class _OwnAppend(Int32Tokens):
+    __slots__ = ()
+
+    def append(self, token):
+        array.append(self, token)
+
+
+@pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
+def test_an_array_type_with_its_own_append_goes_to_vllm(monkeypatch, implementation):
+    (stock, fast), (stock_result, fast_result) = _one_step(
+        monkeypatch, implementation, Scheduler, DECODES, None, "none", token_store=_OwnAppend)
+    _same_step(stock, fast, stock_result, fast_result)
+    assert implementation.update_from_output.stats()["fast_outputs"] == 0
+
+
+@pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
+@pytest.mark.parametrize("cls", [Scheduler, AsyncScheduler])
+@pytest.mark.parametrize("runner_logprobs", ["rows", "cu", "none"])
+def test_runner_rows_out_of_scheduling_order(monkeypatch, implementation, cls,
+                                             runner_logprobs):
+    """The runner's rows in another order than the scheduler's (vLLM 0.34.0's
+    model runner lists its batch, not num_scheduled_tokens): each request's
+    row, and its sample logprobs, are found as vLLM finds them."""
+    (stock, fast), (stock_result, fast_result) = _one_step(
+        monkeypatch, implementation, cls, DECODES, (1, None, 5, -1), runner_logprobs,
+        reverse_rows=True)
+    _same_step(stock, fast, stock_result, fast_result)
+    assert implementation.update_from_output.stats() == {"fast_outputs": 4,
+                                                         "stock_outputs": 0}
+
+
+@pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
+def test_an_id_listed_twice_gets_the_row_vllm_reads(monkeypatch, implementation):
+    """vLLM 0.34.0 maps each id of req_ids to its last position (its dict);
+    before it, req_id_to_index says the row: r1's row is its second listing."""
+
+    def listed_twice(scheduler, scheduler_output, runner_output):
+        runner_output.req_ids.append("r1")
+        runner_output.sampled_token_ids.append([11])
+        if not ROWS_FROM_REQ_IDS:
+            runner_output.req_id_to_index["r1"] = len(runner_output.req_ids) - 1
+
+    (stock, fast), (stock_result, fast_result) = _one_step(
+        monkeypatch, implementation, Scheduler, DECODES, None, "none", listed_twice)
+    _same_step(stock, fast, stock_result, fast_result)
+    assert list(fast[0].requests["r1"]._output_token_ids)[-1] == 11
+    assert implementation.update_from_output.stats()["fast_outputs"] == 4
+
+
+MAMBA_CASES = [(True, False, True), (True, True, True), (True, False, False),
+               (False, False, True), ("missing", False, True)]
+
+
+def _with_mamba(scheduler, mamba, asynchronous, prefix_caching):
+    if mamba == "missing":
+        del scheduler.has_mamba_layers
+    else:
+        scheduler.has_mamba_layers = mamba
+        scheduler.scheduler_config = SimpleNamespace(async_scheduling=asynchronous)
+        scheduler.cache_config = SimpleNamespace(enable_prefix_caching=prefix_caching)
+
+
+# No placeholders (else vLLM caches anyway), no block filled.
+UNPLACED = [(2, 7, 1, 0, RequestStatus.RUNNING, 14), (2, 9, 1, 0, RequestStatus.RUNNING, 14)]
+
+
+@pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
+@pytest.mark.parametrize(("mamba", "asynchronous", "prefix_caching"), MAMBA_CASES)
+def test_mamba_caching_rule_against_vllm(monkeypatch, implementation, mamba, asynchronous,
+                                         prefix_caching):
+    """vLLM 0.34.0 also caches the blocks of a request without placeholders
+    where the model has Mamba layers, scheduling is sync and prefix caching
+    on; older releases never read it (the same steps are their
+    counterpart).  A scheduler without ``has_mamba_layers``: vLLM 0.34.0
+    raises reading it, and fastbatch the same; older releases do not."""
+    (stock, fast), (stock_result, fast_result) = _one_step(
+        monkeypatch, implementation, Scheduler, UNPLACED, None, "none",
+        lambda scheduler, *_: _with_mamba(scheduler, mamba, asynchronous, prefix_caching))
+    _same_step(stock, fast, stock_result, fast_result)
+    if ROWS_FROM_REQ_IDS and mamba == "missing":
+        assert isinstance(stock_result, AttributeError)
+    else:  # (a decode's cache call is a no-op here: taken)
+        assert implementation.update_from_output.stats() == {"fast_outputs": 2,
+                                                             "stock_outputs": 0}
+
+
+@pytest.mark.parametrize(("mamba", "asynchronous", "prefix_caching"), MAMBA_CASES)
+def test_mamba_caching_rule_compiled_matches_twin(mamba, asynchronous, prefix_caching):
+    """Variant 3 (vLLM 0.34.0's rule) with blocks left to cache (the cached
+    counts lowered: neither calls the KV-cache manager): the requests go to
+    vLLM's loop exactly where the rule applies, or cannot be read."""
+    patch._bind()
+    results = []
+    for implementation in (_kernels, _reference):
+        state = _state(Scheduler, True, UNPLACED, True)
+        _with_mamba(state[0], mamba, asynchronous, prefix_caching)
+        single = state[0].kv_cache_manager.coordinator.single_type_managers[0]
+        single.num_cached_block.update(dict.fromkeys(single.num_cached_block, 0))
+        result = implementation.take_decode_outputs(*state, patch._KINDS, 3)
+        results.append(_plain(result, state[0]))
+    assert results[0] == results[1]
+    applies = mamba == "missing" or (mamba is True and not asynchronous and prefix_caching)
+    assert (results[0][0] is None) == applies
 
 
 @pytest.mark.parametrize("implementation", [_kernels, _reference], ids=["compiled", "twin"])
@@ -636,7 +966,7 @@ def _wrong_logprobs(how):
                 if how == "dtype":  # a (1,) array: == alone would not tell
                     ranks = ranks.astype(numpy.int32)
                 elif how == "row":
-                    row = model_runner_output.req_id_to_index[slot.request_id] + 1
+                    row = row_of(model_runner_output, slot.request_id) + 1
                     ids, values, ranks, _ = model_runner_output.logprobs.slice_request(row, 1)
                 else:  # a copy, not a view
                     values = values.copy()
@@ -708,7 +1038,8 @@ def test_merge(implementation):
 def test_bad_input_changes_nothing(implementation):
     patch._bind()
     specs = [(3, 7, 1, 1, RequestStatus.RUNNING, 14)]
-    scheduler, scheduler_output, runner_output = _state(AsyncScheduler, True, specs, False)
+    scheduler, scheduler_output, runner_output = _state(AsyncScheduler, True, specs, False,
+                                                        index_map=True)
     before = _plain(None, scheduler)
     with pytest.raises(ValueError, match="kinds must have 10 items"):
         implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
@@ -729,7 +1060,7 @@ def test_bad_input_changes_nothing(implementation):
         implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
                                            patch._KINDS, 0)
     runner_output.sampled_token_ids = list(runner_output.sampled_token_ids)
-    with pytest.raises(ValueError, match="variant must be 0, 1 or 2"):
+    with pytest.raises(ValueError, match="variant must be 0, 1, 2 or 3"):
         implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
                                            patch._KINDS, 7)
     for accept, refused in ((lambda request, tokens: True, None), ("accept", [])):
@@ -750,6 +1081,16 @@ def test_bad_input_changes_nothing(implementation):
     scheduler_output.num_scheduled_tokens = {"r0": 1, 5: 1}
     assert implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
                                               patch._KINDS, 0) is None
+    # Variant 3 (vLLM 0.34): req_ids must be a list; an id that cannot be a
+    # dict key (vLLM's dict raises) leaves the step to vLLM.
+    scheduler_output.num_scheduled_tokens = {"r0": 1}
+    runner_output.req_ids = ("r0",)
+    with pytest.raises(TypeError, match="req_ids must be a list"):
+        implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
+                                           patch._KINDS, 3)
+    runner_output.req_ids = [["r0"]]
+    assert implementation.take_decode_outputs(scheduler, scheduler_output, runner_output,
+                                              patch._KINDS, 3) is None
     assert _plain(None, scheduler) == before
 
 
@@ -780,13 +1121,13 @@ def test_batches_longer_than_the_prefetch_pipeline(cls):
     patch._bind()
     compiled_side, requests = _long_batch(cls)
     twin_side, _ = _long_batch(cls)
-    compiled = _kernels.take_decode_outputs(*compiled_side, patch._KINDS, 0)
-    twin = _reference.take_decode_outputs(*twin_side, patch._KINDS, 0)
+    compiled = _kernels.take_decode_outputs(*compiled_side, patch._KINDS, VARIANT)
+    twin = _reference.take_decode_outputs(*twin_side, patch._KINDS, VARIANT)
     assert _plain(compiled, compiled_side[0]) == _plain(twin, twin_side[0])
     assert len(compiled[1]) == 150 - len(requests)  # every Request known is taken
 
     def step():
-        assert _kernels.take_decode_outputs(*compiled_side, patch._KINDS, 0) is not None
+        assert _kernels.take_decode_outputs(*compiled_side, patch._KINDS, VARIANT) is not None
         for request in requests:
             _undo_decode(request)
 
@@ -805,17 +1146,20 @@ def _undo_decode(request):
     request.num_output_placeholders = 1
 
 
-@pytest.mark.parametrize("runner_logprobs", ["none", "cu"])
-def test_no_leaks(runner_logprobs):
+@pytest.mark.parametrize(("runner_logprobs", "variant", "reverse_rows"),
+                         [("none", VARIANT, False), ("cu", VARIANT, False), ("none", 3, True)])
+def test_no_leaks(runner_logprobs, variant, reverse_rows):
+    """(variant 3 with the rows reversed: the index built from req_ids)"""
     patch._bind()
     specs = [(3, 7, 1, 1, RequestStatus.RUNNING, 10**6)] * 3  # logprobs None, 1 and 0
     scheduler, scheduler_output, runner_output = _state(AsyncScheduler, False, specs, False,
-                                                        runner_logprobs=runner_logprobs)
+                                                        runner_logprobs=runner_logprobs,
+                                                        reverse_rows=reverse_rows)
     requests = list(scheduler.requests.values())
 
     def step():
         result = _kernels.take_decode_outputs(scheduler, scheduler_output, runner_output,
-                                              patch._KINDS, 0)
+                                              patch._KINDS, variant)
         assert result is not None
         for request in requests:  # undo the step, so that every call takes all
             _undo_decode(request)
@@ -845,7 +1189,7 @@ def test_no_leaks_with_grammars():
     def step():
         refused = []
         result = _kernels.take_decode_outputs(scheduler, scheduler_output, runner_output,
-                                              patch._KINDS, 0, False, accept, refused)
+                                              patch._KINDS, VARIANT, False, accept, refused)
         assert result is not None and refused == ["r2"] and list(result[1]) == ["r1", "r2"]
         _undo_decode(requests[0])  # the one taken
 
@@ -860,7 +1204,7 @@ def test_guard_accepts_this_vllm_and_refuses_a_changed_method():
 
     assert patch.PATCH.check_target(vllm.__version__, STOCK) is None
     assert "not a verified variant" in patch.PATCH.check_target(vllm.__version__, make_fast)
-    assert "not a verified version" in patch.PATCH.check_target("0.34.0", STOCK)
+    assert "not a verified version" in patch.PATCH.check_target("0.20.0", STOCK)
 
 
 def test_activation_check_passes_and_refuses_a_wrong_kernel(monkeypatch):
@@ -875,8 +1219,28 @@ def test_activation_check_passes_and_refuses_a_wrong_kernel(monkeypatch):
     monkeypatch.setattr(fastbatch, "take_decode_outputs", off_by_one)
     assert patch.activation_check(STOCK, patch.update_from_output) is not None
     monkeypatch.setattr(fastbatch, "take_decode_outputs", _kernels.take_decode_outputs)
-    monkeypatch.setattr(patch, "_variant", lambda scheduler: 2)  # the wrong placeholder rule
-    assert "AsyncScheduler" in patch.activation_check(STOCK, patch.update_from_output)
+    if ROWS_FROM_REQ_IDS:
+        # vLLM 0.34.0: the rows read from req_ids in scheduling order, not
+        # where the runner put them (the check reverses them every other step).
+        def by_position(scheduler, scheduler_output, runner_output, *more):
+            runner_output = copy.copy(runner_output)
+            runner_output.req_ids = list(scheduler_output.num_scheduled_tokens)
+            return _kernels.take_decode_outputs(scheduler, scheduler_output, runner_output,
+                                                *more)
+
+        monkeypatch.setattr(fastbatch, "take_decode_outputs", by_position)
+        assert patch.activation_check(STOCK, patch.update_from_output) is not None
+    else:
+        monkeypatch.setattr(patch, "_variant", lambda scheduler: 2)  # the wrong placeholder rule
+        assert "AsyncScheduler" in patch.activation_check(STOCK, patch.update_from_output)
+
+
+def test_activation_check_refuses_a_kernel_that_takes_nothing(monkeypatch):
+    """A kernel that hands every request back to vLLM gives stock's results:
+    the check fails all the same, saying so."""
+    monkeypatch.setattr(fastbatch, "take_decode_outputs", lambda *args: None)
+    problem = patch.activation_check(STOCK, patch.update_from_output)
+    assert problem is not None and "took no request" in problem
 
 
 def test_plugin_applies_and_reverts(monkeypatch):

@@ -9,10 +9,15 @@ added as Python ints (exact at any size); the flags are set once, after the
 pass, to the value vLLM's ``|=`` leaves.  A request's attributes are read and
 written through its instance dict (the patch's activation check confirms
 that each is a plain instance attribute of vLLM's ``Request``), which spares
-each access the type's attribute lookup.
+each access the type's attribute lookup.  A request's token store is a list
+(vLLM up to 0.33.0) or an ``array.array`` whose type keeps array's own
+``__len__`` (vLLM 0.34.0's ``TokenBuffer``); only its length is read, with
+``len()`` as vLLM's ``Request.num_tokens`` does.
 """
 
 __all__ = ["update_after_schedule"]
+
+from array import array as _array
 
 from libc.stdint cimport uint64_t
 
@@ -32,8 +37,15 @@ def reset_stats():
     _requests = _stock_calls = 0
 
 
+cdef bint _plain_token_array(type token_type) except -1:
+    """Whether ``token_type`` is ``array.array`` or a subclass that keeps its
+    ``__len__`` (what ``len()`` of a token store of that type gives is then
+    the array's length)."""
+    return issubclass(token_type, _array) and token_type.__len__ is _array.__len__
+
+
 cdef list _plain_batch(object scheduler, object scheduler_output, bint is_async,
-                       object request_type):
+                       bint always_eligible, object request_type):
     """The scheduled requests in order, or None if anything is not as vLLM keeps it."""
     num_scheduled = scheduler_output.num_scheduled_tokens
     requests = scheduler.requests
@@ -45,17 +57,19 @@ cdef list _plain_batch(object scheduler, object scheduler_output, bint is_async,
     spec_tokens = None
     if is_async:
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-        use_v2 = scheduler.use_v2_model_runner
         if (type(spec_tokens) is not dict
                 or type(scheduler_output.pending_structured_output_tokens) is not bool
-                or type(scheduler.num_sampled_tokens_per_step) is not int
-                or type(use_v2) is not bool):
+                or type(scheduler.num_sampled_tokens_per_step) is not int):
+            return None
+        use_v2 = True if always_eligible else scheduler.use_v2_model_runner
+        if type(use_v2) is not bool:
             return None
         if use_v2 is True and (type(scheduler.current_step) is not int
                                or type(scheduler.decode_stagger) is not int):
             return None
     cdef list batch = []
     cdef dict attrs
+    cdef type array_type = None  # a token-store type other than list, once accepted
     for req_id, num_tokens in (<dict>num_scheduled).items():
         if type(req_id) is not str:
             return None
@@ -69,9 +83,13 @@ cdef list _plain_batch(object scheduler, object scheduler_output, bint is_async,
         if (type(attrs.get("num_computed_tokens")) is not int
                 or type(attrs.get("num_in_flight_tokens")) is not int
                 or type(attrs.get("num_output_placeholders")) is not int
-                or type(attrs.get("_all_token_ids")) is not list
                 or "structured_output_request" not in attrs):
             return None
+        token_type = type(attrs.get("_all_token_ids"))
+        if token_type is not list and token_type is not array_type:
+            if not _plain_token_array(token_type):
+                return None
+            array_type = token_type
         request_id = attrs.get("request_id")
         if type(request_id) is not str or <str>request_id != <str>req_id:
             return None
@@ -84,13 +102,15 @@ cdef list _plain_batch(object scheduler, object scheduler_output, bint is_async,
 
 
 def update_after_schedule(scheduler, scheduler_output, spec_token_placeholders,
-                          request_type):
+                          request_type, *, always_eligible):
     """vLLM's per-request loop of ``Scheduler._update_after_schedule`` and,
     when ``spec_token_placeholders`` is a list, that of
     ``AsyncScheduler._update_after_schedule`` in the same pass.  True when
     done; False, with nothing changed, when the caller must run vLLM's method.
 
-    ``request_type`` is vLLM's ``Request``.
+    ``request_type`` is vLLM's ``Request``.  ``always_eligible`` (async only):
+    every decoding request gets ``next_decode_eligible_step`` (vLLM 0.34.0);
+    False: only when ``scheduler.use_v2_model_runner`` (vLLM 0.31.0 to 0.33.0).
     """
     global _requests, _stock_calls
     if spec_token_placeholders is not None and type(spec_token_placeholders) is not list:
@@ -98,8 +118,11 @@ def update_after_schedule(scheduler, scheduler_output, spec_token_placeholders,
                         f"got {type(spec_token_placeholders).__name__}")
     if not isinstance(request_type, type):
         raise TypeError(f"request_type must be a class, got {type(request_type).__name__}")
+    if type(always_eligible) is not bool:
+        raise TypeError(f"always_eligible must be a bool, got {type(always_eligible).__name__}")
     cdef bint is_async = spec_token_placeholders is not None
-    cdef list batch = _plain_batch(scheduler, scheduler_output, is_async, request_type)
+    cdef bint always = always_eligible is True
+    cdef list batch = _plain_batch(scheduler, scheduler_output, is_async, always, request_type)
     if batch is None:
         _stock_calls += 1
         return False
@@ -120,7 +143,7 @@ def update_after_schedule(scheduler, scheduler_output, spec_token_placeholders,
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         pending_structured = scheduler_output.pending_structured_output_tokens is True
         per_step = scheduler.num_sampled_tokens_per_step
-        use_v2 = scheduler.use_v2_model_runner is True
+        use_v2 = always or scheduler.use_v2_model_runner is True
         if use_v2:
             current_step, stagger = scheduler.current_step, scheduler.decode_stagger
     cdef Py_ssize_t index = 0
@@ -134,7 +157,9 @@ def update_after_schedule(scheduler, scheduler_output, spec_token_placeholders,
         if defer:
             attrs["last_sched_seq"] = step_seq
         placeholders = attrs["num_output_placeholders"]
-        prefill_chunk = computed < len(<list>attrs["_all_token_ids"]) + placeholders
+        tokens = attrs["_all_token_ids"]
+        prefill_chunk = computed < (
+            len(<list>tokens) if type(tokens) is list else len(tokens)) + placeholders
         attrs["is_prefill_chunk"] = prefill_chunk
         structured = attrs["structured_output_request"] is not None
         if structured and not prefill_chunk:

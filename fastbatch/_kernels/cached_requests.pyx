@@ -1,6 +1,7 @@
 # Compiler directives are set in setup.py (one place, with a debug switch).
 """Compiled piece ``cached_requests``: the loop of vLLM's
-``Scheduler._make_cached_request_data`` (outside pipeline parallelism).
+``Scheduler._make_cached_request_data`` (outside pipeline parallelism; on
+vLLM 0.34.0 called with no resumed requests and no token ids to send).
 
 The same lists, set and dict, in the same order, with the same errors and
 counter, as ``fastbatch._reference.cached_requests`` (see its module note);

@@ -7,7 +7,9 @@ The same effects, checks and counters as ``fastbatch._reference.schedule_running
 while each is one the loop can follow; at the first that is not, it returns,
 and vLLM's own loop goes on from there with the locals returned.  The KV
 slots come from ``allocate_slots``' plan (``allocate_decode``): a request
-whose allocation vLLM's method must do is never started here.
+whose allocation vLLM's method must do is never started here, and one whose
+``allocate_slots`` call returned None is left to vLLM's loop, which asks again
+(the call changed nothing) and stalls or preempts as it does.
 """
 
 __all__ = ["schedule_running_requests"]
@@ -16,6 +18,8 @@ from cpython.method cimport PyMethod_Check, PyMethod_GET_FUNCTION, PyMethod_GET_
 from libc.stdint cimport uint64_t
 
 from fastbatch._kernels._common cimport RequestPrefetch, as_index
+
+cdef object _MISSING = object()
 from fastbatch._kernels.allocate_slots cimport _Manager, allocate_decode, manager_view
 
 cdef uint64_t _requests = 0
@@ -42,7 +46,8 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
     take; ``(req_index, token_budget, input_budget, prefill_scheduled,
     drafts_needed)`` as the loop leaves them (``drafts_needed`` None: vLLM
     0.32.0's loop, which has none).  ``kinds``: ``(Request, the compiled
-    allocate_slots)``."""
+    allocate_slots, the type of Request._all_token_ids besides list,
+    the allocate_slots functions whose None changes nothing)``."""
     global _requests, _skipped, _handed_over
     cdef Py_ssize_t index, budget, inputs, slots, threshold, current_step, max_model_len
     cdef Py_ssize_t sampled_per_step, prefill_lookahead, placeholders, computed
@@ -51,9 +56,13 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
     cdef bint any_prefill, unused, direct
     cdef dict attrs
     unchanged = (req_index, token_budget, input_budget, prefill_scheduled, drafts_needed)
-    if type(kinds) is not tuple or len(<tuple>kinds) != 2:
-        raise TypeError("kinds must be a tuple (Request, allocate_slots)")
-    request_type, kernel = <tuple>kinds
+    if type(kinds) is not tuple or len(<tuple>kinds) != 4:
+        raise TypeError("kinds must be a tuple (Request, allocate_slots, token store type, "
+                        "trusted allocate_slots functions)")
+    request_type, kernel, token_store, trusted = <tuple>kinds
+    if not isinstance(token_store, type) or type(trusted) is not tuple:
+        raise TypeError("kinds must be a tuple (Request, allocate_slots, token store type, "
+                        "trusted allocate_slots functions)")
     if not (as_index(req_index, &index) and as_index(token_budget, &budget)
             and as_index(input_budget, &inputs) and as_index(draft_slots, &slots)
             and as_index(long_prefill_token_threshold, &threshold)):
@@ -67,29 +76,42 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
     running = scheduler.running
     if type(running) is not list:
         return unchanged
-    if (scheduler.ec_connector is not None
-            or scheduler.need_mamba_block_aligned_split is not False):
+    if not (index < len(<list>running) and budget > 0):
+        return unchanged  # vLLM's loop reads nothing more of the scheduler
+    # What vLLM's loop reads of the scheduler only on some paths: one the
+    # scheduler lacks leaves the loop to vLLM's (which may never read it).
+    if (getattr(scheduler, "ec_connector", _MISSING) is not None
+            or getattr(scheduler, "need_mamba_block_aligned_split", _MISSING) is not False):
         return unchanged
-    if not (as_index(scheduler.current_step, &current_step)
-            and as_index(scheduler.max_model_len, &max_model_len)
-            and as_index(scheduler.num_sampled_tokens_per_step, &sampled_per_step)
-            and as_index(scheduler.num_prefill_lookahead, &prefill_lookahead)):
+    if not (as_index(getattr(scheduler, "current_step", None), &current_step)
+            and as_index(getattr(scheduler, "max_model_len", None), &max_model_len)
+            and as_index(getattr(scheduler, "num_sampled_tokens_per_step", None),
+                         &sampled_per_step)
+            and as_index(getattr(scheduler, "num_prefill_lookahead", None),
+                         &prefill_lookahead)):
         return unchanged
-    lookahead_tokens = scheduler.num_lookahead_tokens
+    lookahead_tokens = getattr(scheduler, "num_lookahead_tokens", None)
     if not (as_index(lookahead_tokens, &lookahead) and lookahead >= 0):
         return unchanged
-    manager = scheduler.kv_cache_manager
+    manager = getattr(scheduler, "kv_cache_manager", None)
+    allocate = getattr(manager, "allocate_slots", None)
+    # The compiled allocate_slots bound to this manager: its planned call
+    # directly.  vLLM's own method or fastbatch's FASTBATCH_VERIFY check of
+    # the compiled one (``trusted``, or marked ``__fastbatch__``), bound to
+    # it: called as vLLM calls it, only for a call the plan takes; a None
+    # from it changed nothing, and vLLM's loop asks again.  Anything else (a
+    # wrapper, a mock, another plugin's method): vLLM's loop makes every call.
+    if not (PyMethod_Check(allocate) and <object>PyMethod_GET_SELF(allocate) is manager):
+        return unchanged
+    function = <object>PyMethod_GET_FUNCTION(allocate)
+    direct = function is kernel
+    if not direct and not _trusted(function, <tuple>trusted):
+        return unchanged
     # What allocate_slots' plan reads of the manager, once for the loop: a
     # manager it cannot plan for leaves every request to vLLM's loop.
     cdef _Manager view = manager_view(manager)
     if view is None:
         return unchanged
-    allocate = manager.allocate_slots
-    # The compiled allocate_slots bound to this manager: its planned call
-    # directly; anything else (vLLM's method, the FASTBATCH_VERIFY check, a
-    # wrapper) is called as vLLM calls it, only for a call the plan takes.
-    direct = (PyMethod_Check(allocate) and <object>PyMethod_GET_FUNCTION(allocate) is kernel
-              and <object>PyMethod_GET_SELF(allocate) is manager)
     any_prefill = prefill_scheduled
     # The requests ahead of the loop, prefetched (after a forward pass their
     # memory is cold): the first ones now, then one more each turn.
@@ -134,9 +156,16 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
             continue
         token_ids = attrs.get("_all_token_ids")
         spec_token_ids = attrs.get("spec_token_ids")
-        if type(token_ids) is not list or type(spec_token_ids) is not list:
+        if type(spec_token_ids) is not list:
             break
-        num_tokens = len(<list>token_ids)
+        # Request.num_tokens: len(_all_token_ids), a list or (vLLM 0.34.0) a
+        # TokenBuffer, an array('i') whose length is the array's.
+        if type(token_ids) is list:
+            num_tokens = len(<list>token_ids)
+        elif type(token_ids) is token_store:
+            num_tokens = len(token_ids)
+        else:
+            break
         num_new = num_tokens + len(<list>spec_token_ids) + placeholders - computed
         if 0 < threshold < num_new:
             num_new = threshold
@@ -172,6 +201,10 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
             if allocate_decode(view, request, num_new, lookahead, False) is None:
                 break
             new_blocks = allocate(request, num_new, num_lookahead_tokens=lookahead_tokens)
+            if new_blocks is None:
+                # What the call returned, not the plan: no slots.  The call
+                # changed nothing; vLLM's loop asks again and stalls or preempts.
+                break
         # Scheduled: nothing below can fail.
         _requests += 1
         (<list>scheduled_running_reqs).append(request)
@@ -200,3 +233,12 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
     if index < len(<list>running) and budget > 0 and inputs > slots:
         _handed_over += 1
     return index, budget, inputs, any_prefill, drafts_needed
+
+
+cdef bint _trusted(object function, tuple trusted):
+    """Whether ``function`` is one of ``trusted`` (vLLM's own allocate_slots) or
+    fastbatch's FASTBATCH_VERIFY check (``__fastbatch__`` True)."""
+    for known in trusted:
+        if function is known:
+            return True
+    return getattr(function, "__fastbatch__", False) is True

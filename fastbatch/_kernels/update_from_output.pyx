@@ -17,6 +17,12 @@ for a request with a grammar, the tokens handed to vLLM's ``accept_tokens``
 as its loop does (a request whose tokens the grammar refuses is put back as
 it was and left to vLLM's loop).  Nothing is changed unless the whole step
 has been read and found consistent.
+
+A request's ``_all_token_ids`` is a list (vLLM 0.21-0.33) or an ``array('i')``
+(vLLM 0.34's ``TokenBuffer``) whose type keeps ``array``'s ``append``,
+``__len__`` and ``__delitem__``: its tokens are appended one at a time with
+``array.append``, as vLLM's ``Request.append_output_token_ids`` does, and
+only tokens that fit a C int (else vLLM's append raises: its loop takes it).
 """
 
 __all__ = ["merge_decode_outputs", "take_decode_outputs"]
@@ -25,7 +31,10 @@ from cpython.list cimport PyList_Append, PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
 from cpython.slice cimport PySlice_New
+from libc.limits cimport INT_MAX, INT_MIN
 from libc.stdint cimport uint64_t
+
+from array import array as _array
 
 from fastbatch._kernels._common cimport (
     Py_None, Py_SIZE, PyDict_GetItemWithError, PyList_CheckExact, PyLong_CheckExact,
@@ -72,6 +81,12 @@ cdef enum:
     ASYNC_OVERRIDE = 1
     # vLLM 0.32 ``Scheduler`` (sync): no placeholder, no caching here.
     NO_PLACEHOLDERS = 2
+    # vLLM 0.34: as PLACEHOLDERS_IN_BASE, and ``update_from_output`` also
+    # caches blocks under its Mamba rule (``has_mamba_layers``, sync
+    # scheduling, prefix caching); the rows are the requests' positions in
+    # ``model_runner_output.req_ids`` (no ``req_id_to_index``: vLLM maps each
+    # id to its last position there).
+    ROWS_FROM_REQ_IDS = 3
 
 # The step's sample logprobs (``model_runner_output.logprobs``).
 cdef enum:
@@ -203,10 +218,77 @@ cdef class _Hasher:
 
 cdef _Hasher _hasher = _Hasher()
 
+_ARRAY_APPEND = _array.append
+
+
+cdef class _TokenStore:
+    """The array type last accepted as ``_all_token_ids`` (vLLM 0.34's
+    ``TokenBuffer``): a subclass of ``array`` that keeps ``array``'s
+    ``append``, ``__len__`` and ``__delitem__`` (what the compiled call uses
+    where vLLM calls ``append`` and ``len``)."""
+    cdef object accepted
+
+    cdef bint accepts(self, object tokens) except -1:
+        store_type = type(tokens)
+        if store_type is not self.accepted:
+            if not (issubclass(store_type, _array)
+                    and store_type.append is _array.append
+                    and store_type.__len__ is _array.__len__
+                    and store_type.__delitem__ is _array.__delitem__):
+                return False
+            self.accepted = store_type
+        return tokens.typecode == "i"
+
+
+cdef _TokenStore _token_store = _TokenStore()
+
+
+cdef dict _last_rows(list req_ids):
+    """``{req_id: i for i, req_id in enumerate(req_ids)}``: vLLM 0.34's index
+    of the runner's rows (the last position of an id that appears twice)."""
+    cdef dict rows = {}
+    cdef Py_ssize_t i
+    for i in range(PyList_GET_SIZE(req_ids)):
+        rows[<object>PyList_GET_ITEM(req_ids, i)] = i
+    return rows
+
+
+cdef bint _aligned(list req_ids, dict scheduled) except -1:
+    """``req_ids`` lists exactly the scheduled ids in scheduling order (then
+    each id's row is its position: the ids of a dict are distinct)."""
+    cdef Py_ssize_t pos = 0, i = 0
+    cdef PyObject* key
+    cdef PyObject* value
+    cdef PyObject* item
+    if PyList_GET_SIZE(req_ids) != len(scheduled):
+        return False
+    while PyDict_Next(scheduled, &pos, &key, &value):
+        item = PyList_GET_ITEM(req_ids, i)
+        if item != key:
+            if not (type(<object>item) is str and type(<object>key) is str
+                    and <object>item == <object>key):
+                return False
+        i += 1
+    return True
+
+
+cdef int _mamba_rule(object scheduler) except -2:
+    """vLLM 0.34's Mamba condition for caching blocks (``has_mamba_layers and
+    not scheduler_config.async_scheduling and cache_config.enable_prefix_caching``):
+    1 or 0, or -1 if it cannot be read (a request that needs it goes to vLLM's
+    loop, which reads it there)."""
+    try:
+        if not scheduler.has_mamba_layers:
+            return 0
+        return 1 if (not scheduler.scheduler_config.async_scheduling
+                     and scheduler.cache_config.enable_prefix_caching) else 0
+    except Exception:
+        return -1
+
 
 cdef int _classify(dict attrs, object tokens, object drafts, Py_ssize_t num_scheduled,
                    tuple kinds, int variant, Py_ssize_t max_model_len,
-                   Py_ssize_t num_spec_tokens, _Cache cache, Py_ssize_t row,
+                   Py_ssize_t num_spec_tokens, int mamba, _Cache cache, Py_ssize_t row,
                    int logprobs_mode, object cu_rows, Taken* taken) except -1:
     """1 if the request (``attrs``: its instance dict) is a plain decode, with
     its ``drafts`` (the draft ids scheduled, or None), that does not stop this
@@ -266,8 +348,10 @@ cdef int _classify(dict attrs, object tokens, object drafts, Py_ssize_t num_sche
             taken.has_logprobs = True
     output_ids = _peek(attrs, "_output_token_ids")
     all_ids = _peek(attrs, "_all_token_ids")
-    if (output_ids == NULL or not PyList_CheckExact(output_ids)
-            or all_ids == NULL or not PyList_CheckExact(all_ids)):
+    if output_ids == NULL or not PyList_CheckExact(output_ids) or all_ids == NULL:
+        return 0
+    cdef bint int_store = not PyList_CheckExact(all_ids)
+    if int_store and not _token_store.accepts(<object>all_ids):
         return 0
     # check_stop, after each token is appended: it must say "go on" (the
     # counts only grow: the last token's are checked).
@@ -284,6 +368,8 @@ cdef int _classify(dict attrs, object tokens, object drafts, Py_ssize_t num_sche
         if type(token) is not int or (eos is not None and eos == token) or (
                 stop_ids and PySequence_Contains(stop_ids, token)):
             return 0
+        if int_store and not INT_MIN <= <object>token <= INT_MAX:
+            return 0  # array.append raises in vLLM's loop
     if not _int_at(attrs, "max_tokens", &max_tokens):
         return 0
     if num_tokens >= max_model_len or num_output >= max_tokens:
@@ -316,13 +402,18 @@ cdef int _classify(dict attrs, object tokens, object drafts, Py_ssize_t num_sche
             placeholders -= rejected
             taken.placeholders = placeholders
     cache_upto = -1
-    if variant == PLACEHOLDERS_IN_BASE:
+    if variant == PLACEHOLDERS_IN_BASE or variant == ROWS_FROM_REQ_IDS:
         if placeholders > 0:
             if placeholders < num_new:
                 return 0  # vLLM's assert fails
             taken.placeholders = placeholders - num_new
         if placeholders > 0 or num_spec_tokens > 0:
             cache_upto = computed - taken.in_flight
+        elif variant == ROWS_FROM_REQ_IDS:
+            if mamba < 0:
+                return 0  # vLLM's loop reads the condition here (and raises)
+            if mamba:
+                cache_upto = computed - taken.in_flight
     elif variant == ASYNC_OVERRIDE:
         if placeholders < num_new:
             return 0  # vLLM's assert fails
@@ -344,6 +435,9 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
     ``slots`` has, in scheduling order, the ``EngineCoreOutput`` of each
     request taken and the request id of each request left; ``rest`` maps the
     ids left to their scheduled token counts, for vLLM's own loop.
+
+    ``variant`` 3 (vLLM 0.34) finds each request's row by its position in
+    ``model_runner_output.req_ids``; the others by ``req_id_to_index``.
     """
     global _taken, _left
     if accept is not None and (not callable(accept) or refused is None):
@@ -356,12 +450,20 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
     if logprobs_type is not None and not (isinstance(logprobs_type, type)
                                           and issubclass(logprobs_type, tuple)):
         raise ValueError("kinds[8] must be LogprobsLists (a tuple type) or None")
-    if variant not in (PLACEHOLDERS_IN_BASE, ASYNC_OVERRIDE, NO_PLACEHOLDERS):
-        raise ValueError(f"variant must be 0, 1 or 2, got {variant}")
+    if variant not in (PLACEHOLDERS_IN_BASE, ASYNC_OVERRIDE, NO_PLACEHOLDERS,
+                       ROWS_FROM_REQ_IDS):
+        raise ValueError(f"variant must be 0, 1, 2 or 3, got {variant}")
     requests = scheduler.requests
     scheduled = scheduler_output.num_scheduled_tokens
     spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-    index_of = model_runner_output.req_id_to_index
+    req_ids = None
+    if variant == ROWS_FROM_REQ_IDS:
+        req_ids = model_runner_output.req_ids
+        if not isinstance(req_ids, list):
+            raise TypeError(f"req_ids must be a list, got {type(req_ids).__name__}")
+        index_of = {}
+    else:
+        index_of = model_runner_output.req_id_to_index
     sampled = model_runner_output.sampled_token_ids
     nans = model_runner_output.num_nans_in_logits
     prompt_logprobs = model_runner_output.prompt_logprobs_dict
@@ -382,12 +484,24 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
     # EngineCoreOutput's positional arguments, and where the fast path's go
     cdef list args
     cdef Py_ssize_t at_id, at_tokens, at_stop, at_events, at_trace, at_nans, at_logprobs
-    if not (_int_value(scheduler.max_model_len, &max_model_len)
-            and _int_value(scheduler.num_spec_tokens, &num_spec_tokens)):
+    # (read as vLLM's loop reads them for a request taken; missing: vLLM's loop)
+    if not (_int_value(getattr(scheduler, "max_model_len", None), &max_model_len)
+            and _int_value(getattr(scheduler, "num_spec_tokens", None), &num_spec_tokens)):
         return None
+    cdef int mamba = _mamba_rule(scheduler) if variant == ROWS_FROM_REQ_IDS else 0
     cdef _Cache cache = _Cache()
-    if not cache.read(scheduler.kv_cache_manager, kinds):
+    if not cache.read(getattr(scheduler, "kv_cache_manager", None), kinds):
         return None
+    cdef bint by_position = False
+    if variant == ROWS_FROM_REQ_IDS:
+        # vLLM 0.34 builds {req_id: i for i, req_id in enumerate(req_ids)}:
+        # the position itself when req_ids lists the scheduled ids in order.
+        by_position = _aligned(<list>req_ids, <dict>scheduled)
+        if not by_position:
+            try:
+                index_of = _last_rows(<list>req_ids)
+            except Exception:
+                return None  # an id that cannot be a key: vLLM's error
     # The step's sample logprobs: vLLM slices them for a request with logprobs
     # if they are truthy (a LogprobsLists always is).
     logprobs = model_runner_output.logprobs
@@ -462,15 +576,20 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
                 rest[req_id] = num_obj
                 i += 1
                 continue
-            row_obj = (<dict>index_of).get(req_id)
             tokens = None
-            if (type(row_obj) is int and _int_value(row_obj, &row)
-                    and 0 <= row < PyList_GET_SIZE(sampled)):
-                tokens = <object>PyList_GET_ITEM(sampled, row)
+            if by_position:
+                row = i
+                if row < PyList_GET_SIZE(sampled):
+                    tokens = <object>PyList_GET_ITEM(sampled, row)
+            else:
+                row_obj = (<dict>index_of).get(req_id)
+                if (type(row_obj) is int and _int_value(row_obj, &row)
+                        and 0 <= row < PyList_GET_SIZE(sampled)):
+                    tokens = <object>PyList_GET_ITEM(sampled, row)
             if tokens is not None and is_request:
                 if _classify(attrs, tokens, request_drafts, num_scheduled, kinds, variant,
-                             max_model_len, num_spec_tokens, cache, row, logprobs_mode,
-                             cu_rows, &taken[count]):
+                             max_model_len, num_spec_tokens, mamba, cache, row,
+                             logprobs_mode, cu_rows, &taken[count]):
                     taken[count].has_grammar = has_grammar
                     if has_grammar:
                         grammars.append((req_id, request))
@@ -502,9 +621,14 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
                         attrs["num_output_placeholders"])
             attrs["num_in_flight_tokens"] = taken[count].in_flight
             output_ids, all_ids = attrs["_output_token_ids"], attrs["_all_token_ids"]
-            for token in <list>tokens:
-                PyList_Append(output_ids, token)
-                PyList_Append(all_ids, token)
+            if type(all_ids) is list:
+                for token in <list>tokens:
+                    PyList_Append(output_ids, token)
+                    PyList_Append(all_ids, token)
+            else:  # an array('i') (TokenBuffer): appended as vLLM appends
+                for token in <list>tokens:
+                    PyList_Append(output_ids, token)
+                    _ARRAY_APPEND(all_ids, token)
             if taken[count].computed >= 0:
                 attrs["num_computed_tokens"] = taken[count].computed
             if taken[count].placeholders >= 0:
@@ -518,7 +642,7 @@ def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple 
                     (attrs["num_in_flight_tokens"], attrs["num_computed_tokens"],
                      attrs["num_output_placeholders"]) = undo
                     del (<list>output_ids)[-len(<list>tokens):]
-                    del (<list>all_ids)[-len(<list>tokens):]
+                    del all_ids[-len(<list>tokens):]
                     slots[i] = req_id
                     refused.append(req_id)
                     num_refused += 1

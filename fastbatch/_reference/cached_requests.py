@@ -5,7 +5,10 @@
 ``Scheduler._make_cached_request_data`` does outside its pipeline-parallel
 branch (there ``new_token_ids`` gets a slice per request; the patch runs
 vLLM's method for that case): for the running requests, then the resumed
-ones, in that order,
+ones, in that order.  vLLM 0.34.0's method is this loop with no resumed
+requests and no token ids sent (``resumed_reqs`` empty,
+``prev_step_scheduled_req_ids`` None; its ``CachedRequestData`` has no
+``resumed_req_ids`` or ``all_token_ids``, and the patch drops them):
 
 - ``req_ids``: each ``request.request_id``; the resumed ones also in
   ``resumed_req_ids``;
@@ -20,8 +23,10 @@ ones, in that order,
 A plain ``Request`` (exact type) has its ``num_output_tokens`` read as
 ``len(request._output_token_ids)``, as the property does; a plain
 ``KVCacheBlocks`` (exact type, a tuple of groups) has its block ids read as
-``get_block_ids`` reads them; ``ConstantList.copy`` is ``_x.copy()``.  Any
-other object goes through its own property or method.  Both bodies are
+``get_block_ids`` reads them; ``ConstantList.copy`` is ``_x.copy()`` of a
+list (a ``ConstantList`` of anything else, 0.34.0's ``TokenBuffer`` say, is
+copied by its own ``copy()``, which gives a list there).  Any other object
+goes through its own property or method.  Both bodies are
 pinned by the patch's guard.  Nothing is changed, so an error (vLLM's
 ``KeyError`` for a request without blocks, say) leaves no trace.
 """

@@ -2,7 +2,7 @@
 (``fastbatch._kernels.schedule_running``).
 
 ``schedule_running`` runs vLLM's running-request loop of
-``Scheduler.schedule`` (vLLM 0.32.0 and 0.33.0: the same loop, and 0.33.0's
+``Scheduler.schedule`` (vLLM 0.32.0 to 0.34.0: the same loop, and from 0.33.0
 ``drafts_needed``) from ``req_index`` on, for as long as each request is one
 it can follow, and returns the loop's locals as it leaves them; at the first
 request it cannot follow it returns at once, nothing done for that request,
@@ -12,8 +12,9 @@ has no other state: ``req_index`` moves over ``scheduler.running``, the
 budgets shrink, the scheduled requests, their blocks, token counts and
 drafts are recorded in the four containers.
 
-A request it follows, read off vLLM 0.33.0's code (pinned by the patch's
-guard), is a plain ``Request`` (exact type) whose counters are exact ints:
+A request it follows, read off vLLM 0.33.0's and 0.34.0's code (the same
+loop; pinned by the patch's guard), is a plain ``Request`` (exact type) whose
+counters are exact ints:
 
 - ``input_budget <= draft_slots`` ends vLLM's loop: it returns;
 - skipped (``req_index += 1``): the async step that reaches ``max_tokens`` is
@@ -38,8 +39,20 @@ guard), is a plain ``Request`` (exact type) whose counters are exact ints:
   cannot return None, and the preemption that None starts is never needed
   here; a call vLLM's method must make goes to vLLM's loop, not started.
   Where the manager's ``allocate_slots`` is the piece's own (``kinds[1]``
-  bound to it), the planned call is made directly; otherwise (vLLM's method,
-  the ``FASTBATCH_VERIFY`` check) it is called as vLLM calls it;
+  bound to it), the planned call is made directly; where it is vLLM's own
+  method (``kinds[3]``) or fastbatch's ``FASTBATCH_VERIFY`` check (a function
+  marked ``__fastbatch__``), bound to the manager, it is called as vLLM calls
+  it, and a None it returns (no slots: the call changed nothing) hands the
+  request to vLLM's loop, which asks again and stalls or preempts as it
+  does; anything else (a wrapper, a mock, another plugin's method) leaves
+  the whole loop to vLLM's, which makes every call;
+- what vLLM's loop reads of the scheduler only on some paths
+  (``ec_connector``, ``current_step``, ``num_lookahead_tokens``,
+  ``kv_cache_manager``...) is read only once the loop is sure to run, and
+  one the scheduler lacks leaves the loop to vLLM's;
+- ``num_tokens`` is ``len(_all_token_ids)``: a ``list``, or the type of
+  ``kinds[2]`` (vLLM 0.34.0's ``TokenBuffer``, an ``array('i')``; ``list``
+  before it), decided where the patch binds;
 - then as vLLM: the request appended to ``scheduled_running_reqs``,
   ``prefill_scheduled |= is_prefill_chunk``, its blocks and token count by
   id, the budgets (``input_budget -= num_new_tokens + draft_slots``),
@@ -67,6 +80,7 @@ stats, reset_stats = _COUNTERS.stats, _COUNTERS.reset_stats
 
 # The compiled piece reads counts as one-digit ints (CPython's compact ints).
 _INDEX_LIMIT = 1 << 30
+_MISSING = object()
 
 
 def _is_index(value: Any) -> bool:
@@ -84,11 +98,17 @@ def schedule_running_requests(scheduler: Any, req_index: Any, token_budget: Any,
     take; ``(req_index, token_budget, input_budget, prefill_scheduled,
     drafts_needed)`` as the loop leaves them (``drafts_needed`` None: vLLM
     0.32.0's loop, which has none).  ``kinds``: ``(Request, the
-    allocate_slots piece's method)``."""
+    allocate_slots piece's method, the type of Request._all_token_ids
+    besides list, the allocate_slots functions whose None changes
+    nothing)``."""
     unchanged = (req_index, token_budget, input_budget, prefill_scheduled, drafts_needed)
-    if type(kinds) is not tuple or len(kinds) != 2:
-        raise TypeError("kinds must be a tuple (Request, allocate_slots)")
-    request_type, kernel = kinds
+    if type(kinds) is not tuple or len(kinds) != 4:
+        raise TypeError("kinds must be a tuple (Request, allocate_slots, token store type, "
+                        "trusted allocate_slots functions)")
+    request_type, kernel, token_store, trusted = kinds
+    if not isinstance(token_store, type) or type(trusted) is not tuple:
+        raise TypeError("kinds must be a tuple (Request, allocate_slots, token store type, "
+                        "trusted allocate_slots functions)")
     counts = (req_index, token_budget, input_budget, draft_slots, long_prefill_token_threshold)
     if not all(_is_index(value) for value in counts):
         return unchanged
@@ -102,26 +122,37 @@ def schedule_running_requests(scheduler: Any, req_index: Any, token_budget: Any,
     running = scheduler.running
     if type(running) is not list:
         return unchanged
-    if (scheduler.ec_connector is not None
-            or scheduler.need_mamba_block_aligned_split is not False):
+    if not (index < len(running) and budget > 0):
+        return unchanged  # vLLM's loop reads nothing more of the scheduler
+    # What vLLM's loop reads of the scheduler only on some paths: one the
+    # scheduler lacks leaves the loop to vLLM's (which may never read it).
+    if (getattr(scheduler, "ec_connector", _MISSING) is not None
+            or getattr(scheduler, "need_mamba_block_aligned_split", _MISSING) is not False):
         return unchanged
-    settings = (scheduler.current_step, scheduler.max_model_len,
-                scheduler.num_sampled_tokens_per_step, scheduler.num_prefill_lookahead)
+    settings = tuple(getattr(scheduler, name, None) for name in (
+        "current_step", "max_model_len", "num_sampled_tokens_per_step",
+        "num_prefill_lookahead"))
     if not all(_is_index(value) for value in settings):
         return unchanged
     current_step, max_model_len, sampled_per_step, prefill_lookahead = settings
-    lookahead_tokens = scheduler.num_lookahead_tokens
+    lookahead_tokens = getattr(scheduler, "num_lookahead_tokens", None)
     if not _allocate._is_lookahead(lookahead_tokens):
         return unchanged
-    manager = scheduler.kv_cache_manager
+    manager = getattr(scheduler, "kv_cache_manager", None)
+    allocate = getattr(manager, "allocate_slots", None)
+    # The piece's own method bound to this manager: the planned call
+    # directly; vLLM's own or fastbatch's FASTBATCH_VERIFY check, bound to
+    # it: called as vLLM calls it; anything else: vLLM's loop makes every call.
+    if not (isinstance(allocate, MethodType) and allocate.__self__ is manager):
+        return unchanged
+    direct = allocate.__func__ is kernel
+    if not direct and not _trusted(allocate.__func__, trusted):
+        return unchanged
     # What allocate_slots' plan reads of the manager, once for the loop: a
     # manager it cannot plan for leaves every request to vLLM's loop.
     view = _allocate._manager_view(manager)
     if view is None:
         return unchanged
-    allocate = manager.allocate_slots
-    direct = (isinstance(allocate, MethodType) and allocate.__func__ is kernel
-              and allocate.__self__ is manager)
     any_prefill = prefill_scheduled
     values = _COUNTERS.values
     while index < len(running) and budget > 0:
@@ -160,7 +191,11 @@ def schedule_running_requests(scheduler: Any, req_index: Any, token_budget: Any,
             values["skipped"] += 1
             continue
         token_ids, spec_token_ids = attrs.get("_all_token_ids"), attrs.get("spec_token_ids")
-        if type(token_ids) is not list or type(spec_token_ids) is not list:
+        if type(spec_token_ids) is not list:
+            break
+        # Request.num_tokens: len(_all_token_ids), a list or the release's
+        # token store (vLLM 0.34.0: a TokenBuffer, an array('i')).
+        if type(token_ids) is not list and type(token_ids) is not token_store:
             break
         num_tokens = len(token_ids)
         num_new = num_tokens + len(spec_token_ids) + placeholders - computed
@@ -197,6 +232,10 @@ def schedule_running_requests(scheduler: Any, req_index: Any, token_budget: Any,
                                          False) is None:
                 break
             new_blocks = allocate(request, num_new, num_lookahead_tokens=lookahead_tokens)
+            if new_blocks is None:
+                # What the call returned, not the plan: no slots.  The call
+                # changed nothing; vLLM's loop asks again and stalls or preempts.
+                break
         # Scheduled: nothing below can fail.
         values["requests"] += 1
         scheduled_running_reqs.append(request)
@@ -221,3 +260,10 @@ def schedule_running_requests(scheduler: Any, req_index: Any, token_budget: Any,
     if index < len(running) and budget > 0 and inputs > slots:
         values["handed_over"] += 1
     return index, budget, inputs, any_prefill, drafts_needed
+
+
+def _trusted(function: Any, trusted: tuple[Any, ...]) -> bool:
+    """Whether ``function`` is one of ``trusted`` (vLLM's own allocate_slots) or
+    fastbatch's FASTBATCH_VERIFY check (``__fastbatch__`` True)."""
+    return (any(function is known for known in trusted)
+            or getattr(function, "__fastbatch__", False) is True)

@@ -37,16 +37,29 @@ A request is taken only if all of these hold (read off vLLM 0.33.0 and
   closure);
 - the KV-cache call vLLM makes for it, if any, caches nothing: every full
   block of the cacheable tokens is cached already (vLLM 0.32's count of full
-  blocks; 0.33's, limited to the hashed tokens, is never larger).
+  blocks; 0.33's, limited to the hashed tokens, is never larger);
+- its ``_all_token_ids`` is a list, or an ``array('i')`` (vLLM 0.34's
+  ``TokenBuffer``) whose type keeps ``array``'s ``append``, ``__len__`` and
+  ``__delitem__``, and then every token fits a C int (else vLLM's append
+  raises: its loop takes it);
+- its row is found: by ``req_id_to_index`` (variants 0 to 2), or (variant 3,
+  vLLM 0.34, which has no ``req_id_to_index``) as vLLM 0.34 finds it, the last
+  position of its id in ``model_runner_output.req_ids``.
 
 What is done to a request taken, as vLLM does: ``num_in_flight_tokens``
 less the scheduled count; with drafts, the ``r`` rejected (drafts less the
 tokens accepted) taken off ``num_computed_tokens`` and
 ``num_output_placeholders`` where each is positive; the tokens appended to
-``_output_token_ids`` and ``_all_token_ids`` (the same int objects); an
-output placeholder resolved per token (``variant``: 0, vLLM 0.33, when there
-are any, and there must be enough; 1, vLLM 0.32's ``AsyncScheduler``,
-always, so there must be enough; 2, vLLM 0.32's sync ``Scheduler``, never);
+``_output_token_ids`` and ``_all_token_ids`` (the same int objects; to an
+array one at a time with ``array.append``, as vLLM's
+``append_output_token_ids`` does); an
+output placeholder resolved per token (``variant``: 0, vLLM 0.33, and 3,
+vLLM 0.34, when there are any, and there must be enough; 1, vLLM 0.32's
+``AsyncScheduler``, always, so there must be enough; 2, vLLM 0.32's sync
+``Scheduler``, never); under variant 3 the blocks are also cached under
+vLLM 0.34's Mamba rule (``has_mamba_layers``, sync scheduling, prefix
+caching; a scheduler on which it cannot be read leaves such requests to
+vLLM's loop);
 its events taken; an ``EngineCoreOutput`` with the
 sampled list itself as ``new_token_ids`` and, for a request with sample
 logprobs, ``new_logprobs`` as vLLM's loop makes it:
@@ -72,6 +85,7 @@ from __future__ import annotations
 
 __all__ = ["merge_decode_outputs", "take_decode_outputs"]
 
+from array import array
 from typing import Any
 
 from fastbatch._reference._common import Counters
@@ -79,7 +93,8 @@ from fastbatch._reference._common import Counters
 _COUNTERS = Counters(("fast_outputs", "stock_outputs"))
 stats, reset_stats = _COUNTERS.stats, _COUNTERS.reset_stats
 
-PLACEHOLDERS_IN_BASE, ASYNC_OVERRIDE, NO_PLACEHOLDERS = 0, 1, 2
+PLACEHOLDERS_IN_BASE, ASYNC_OVERRIDE, NO_PLACEHOLDERS, ROWS_FROM_REQ_IDS = 0, 1, 2, 3
+_INT_MIN, _INT_MAX = -(2**31), 2**31 - 1  # a C int: array('i')
 # The step's sample logprobs: None (a request with logprobs gets none), a
 # LogprobsLists to slice, or anything else (such requests go to vLLM's loop).
 LOGPROBS_NONE, LOGPROBS_SLICE, LOGPROBS_LEAVE = 0, 1, 2
@@ -139,6 +154,35 @@ def _hasher_sizes(hasher: Any, code: Any) -> tuple[int, int] | None:
     return block_size, lookahead
 
 
+def _token_store(tokens: Any) -> bool:
+    """``tokens`` is an ``array('i')`` appended and measured as ``array`` does."""
+    store_type = type(tokens)
+    return (issubclass(store_type, array) and store_type.append is array.append
+            and store_type.__len__ is array.__len__
+            and store_type.__delitem__ is array.__delitem__ and tokens.typecode == "i")
+
+
+def _mamba_rule(scheduler: Any) -> int:
+    """vLLM 0.34's Mamba condition for caching blocks: 1, 0, or -1 if it
+    cannot be read."""
+    try:
+        return int(bool(scheduler.has_mamba_layers
+                        and not scheduler.scheduler_config.async_scheduling
+                        and scheduler.cache_config.enable_prefix_caching))
+    except Exception:
+        return -1
+
+
+def _rows(req_ids: list[Any]) -> dict[Any, int] | None:
+    """Each id's row as vLLM 0.34 finds it (``req_ids`` has no
+    ``req_id_to_index`` beside it), or None where vLLM's dict raises (the step
+    goes to vLLM)."""
+    try:
+        return {req_id: i for i, req_id in enumerate(req_ids)}
+    except Exception:
+        return None
+
+
 def _logprobs_mode(logprobs: Any, kinds: tuple[Any, ...]) -> int:
     if logprobs is None:
         return LOGPROBS_NONE
@@ -155,7 +199,7 @@ def _logprobs_mode(logprobs: Any, kinds: tuple[Any, ...]) -> int:
 
 def _classify(request: Any, tokens: Any, drafts: Any, num_scheduled: int,
               kinds: tuple[Any, ...], variant: int, max_model_len: int,
-              num_spec_tokens: int, cache: _Cache, row: int, logprobs: Any,
+              num_spec_tokens: int, mamba: int, cache: _Cache, row: int, logprobs: Any,
               logprobs_mode: int) -> tuple[int, int, int, bool] | None:
     """``(in-flight count after, placeholders after or -1, computed tokens
     after or -1, whether it gets sample logprobs)`` if ``request`` (with
@@ -197,7 +241,10 @@ def _classify(request: Any, tokens: Any, drafts: Any, num_scheduled: int,
                 and _SSIZE_MIN <= cu_rows[row] < _SSIZE_MAX):
             return None
     output_ids, all_ids = request._output_token_ids, request._all_token_ids
-    if type(output_ids) is not list or type(all_ids) is not list:
+    if type(output_ids) is not list:
+        return None
+    if type(all_ids) is not list and not (
+            _token_store(all_ids) and all(_INT_MIN <= t <= _INT_MAX for t in tokens)):
         return None
     # check_stop after each token: "go on" (the counts only grow: the last's).
     num_tokens, num_output = len(all_ids) + len(tokens), len(output_ids) + len(tokens)
@@ -233,13 +280,18 @@ def _classify(request: Any, tokens: Any, drafts: Any, num_scheduled: int,
         if placeholders > 0:
             placeholders = placeholders_after = placeholders - rejected
     cache_upto, num_new = -1, len(tokens)
-    if variant == PLACEHOLDERS_IN_BASE:
+    if variant in (PLACEHOLDERS_IN_BASE, ROWS_FROM_REQ_IDS):
         if placeholders > 0:
             if placeholders < num_new:
                 return None  # vLLM's assert fails
             placeholders_after = placeholders - num_new
         if placeholders > 0 or num_spec_tokens > 0:
             cache_upto = computed - in_flight_after
+        elif variant == ROWS_FROM_REQ_IDS:
+            if mamba < 0:
+                return None  # vLLM's loop reads the condition here (and raises)
+            if mamba:
+                cache_upto = computed - in_flight_after
     elif variant == ASYNC_OVERRIDE:
         if placeholders < num_new:
             return None  # vLLM's assert fails
@@ -277,12 +329,16 @@ def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_outp
     if logprobs_type is not None and not (isinstance(logprobs_type, type)
                                           and issubclass(logprobs_type, tuple)):
         raise ValueError("kinds[8] must be LogprobsLists (a tuple type) or None")
-    if variant not in (PLACEHOLDERS_IN_BASE, ASYNC_OVERRIDE, NO_PLACEHOLDERS):
-        raise ValueError(f"variant must be 0, 1 or 2, got {variant}")
+    if variant not in (PLACEHOLDERS_IN_BASE, ASYNC_OVERRIDE, NO_PLACEHOLDERS,
+                       ROWS_FROM_REQ_IDS):
+        raise ValueError(f"variant must be 0, 1, 2 or 3, got {variant}")
     requests = scheduler.requests
     scheduled = scheduler_output.num_scheduled_tokens
     spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-    index_of = model_runner_output.req_id_to_index
+    index_of = {} if variant == ROWS_FROM_REQ_IDS else model_runner_output.req_id_to_index
+    if variant == ROWS_FROM_REQ_IDS and not isinstance(model_runner_output.req_ids, list):
+        raise TypeError("req_ids must be a list, got "
+                        f"{type(model_runner_output.req_ids).__name__}")
     sampled = model_runner_output.sampled_token_ids
     nans = model_runner_output.num_nans_in_logits
     prompt_logprobs = model_runner_output.prompt_logprobs_dict
@@ -299,12 +355,19 @@ def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_outp
         raise TypeError(f"sampled_token_ids must be a list, got {type(sampled).__name__}")
     if nans is not None and not isinstance(nans, dict):
         raise TypeError(f"num_nans_in_logits must be a dict or None, got {type(nans).__name__}")
-    max_model_len, num_spec_tokens = scheduler.max_model_len, scheduler.num_spec_tokens
+    # (read as vLLM's loop reads them for a request taken; missing: vLLM's loop)
+    max_model_len = getattr(scheduler, "max_model_len", None)
+    num_spec_tokens = getattr(scheduler, "num_spec_tokens", None)
     if not _is_int(max_model_len, num_spec_tokens):
         return None
-    cache = _Cache(scheduler.kv_cache_manager, kinds)
+    mamba = _mamba_rule(scheduler) if variant == ROWS_FROM_REQ_IDS else 0
+    cache = _Cache(getattr(scheduler, "kv_cache_manager", None), kinds)
     if not cache.plain:
         return None
+    if variant == ROWS_FROM_REQ_IDS:
+        index_of = _rows(model_runner_output.req_ids)
+        if index_of is None:
+            return None
     logprobs = model_runner_output.logprobs
     logprobs_mode = _logprobs_mode(logprobs, kinds)
     slots: list[Any] = []
@@ -334,7 +397,7 @@ def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_outp
         tokens = sampled[row] if type(row) is int and 0 <= row < len(sampled) else None
         effects = None if tokens is None else _classify(
             request, tokens, request_drafts, num_scheduled, kinds, variant, max_model_len,
-            num_spec_tokens, cache, row, logprobs, logprobs_mode)
+            num_spec_tokens, mamba, cache, row, logprobs, logprobs_mode)
         if effects is None:
             slots.append(req_id)
             rest[req_id] = num_scheduled
@@ -356,8 +419,9 @@ def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_outp
             before = (request.num_in_flight_tokens, request.num_computed_tokens,
                       request.num_output_placeholders)
         request.num_in_flight_tokens = in_flight_after
-        request._output_token_ids.extend(tokens)
-        request._all_token_ids.extend(tokens)
+        for token in tokens:  # as append_output_token_ids, a token at a time
+            request._output_token_ids.append(token)
+            request._all_token_ids.append(token)
         if computed_after >= 0:
             request.num_computed_tokens = computed_after
         if placeholders_after >= 0:

@@ -26,19 +26,19 @@ RELEASES: dict[str, tuple[str, ...]] = {
         "0.32.0", "0.33.0", "0.34.0",
     ),
     "vllm.v1.core.sched.async_scheduler.AsyncScheduler._update_after_schedule": (
-        "0.31.0", "0.32.0", "0.33.0",
+        "0.31.0", "0.32.0", "0.33.0", "0.34.0",
     ),
     "vllm.v1.core.sched.scheduler.Scheduler._make_cached_request_data": (
-        "0.30.0", "0.31.0", "0.32.0", "0.33.0",
+        "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0",
     ),
     "vllm.v1.core.sched.scheduler.Scheduler._update_after_schedule": (
         "0.31.0", "0.32.0", "0.33.0", "0.34.0",
     ),
     "vllm.v1.core.sched.scheduler.Scheduler.schedule": (
-        "0.32.0", "0.33.0",
+        "0.32.0", "0.33.0", "0.34.0",
     ),
     "vllm.v1.core.sched.scheduler.Scheduler.update_from_output": (
-        "0.32.0", "0.33.0",
+        "0.32.0", "0.33.0", "0.34.0",
     ),
     "vllm.v1.engine.detokenizer.BaseIncrementalDetokenizer.update": (
         "0.32.0", "0.33.0", "0.34.0",

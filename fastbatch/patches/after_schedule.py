@@ -3,17 +3,27 @@
 What is replaced: the method that ends every ``Scheduler.schedule()`` call
 (vllm/v1/core/sched/scheduler.py), and its async-scheduling override
 (async_scheduler.py), which calls it and then loops over the batch again.
-Each becomes vLLM's method with its per-request loop, or for the async one
-both loops, done by one compiled call (``fastbatch.update_after_schedule``):
-advance ``num_computed_tokens``/``num_in_flight_tokens``, set
-``is_prefill_chunk``, the structured-output flags, leave
-``_inflight_prefills``, and under async scheduling add the output
-placeholders and hand every decoding request the step's one spec-token
-placeholder list.  The rest of each method (clearing ``finished_req_ids``
-and ``reset_preempted_req_ids``, keeping ``_spec_token_placeholders``) stays
-as vLLM wrote it.  A batch that holds anything but plain requests and the
-flags vLLM keeps (the kernel checks before it changes anything) runs vLLM's
-method, unchanged.
+On vLLM 0.31.0 to 0.34.0, each becomes vLLM's method with its per-request
+loop, or for the async one both loops, done by one compiled call
+(``fastbatch.update_after_schedule``): advance
+``num_computed_tokens``/``num_in_flight_tokens``, set ``is_prefill_chunk``,
+the structured-output flags, leave ``_inflight_prefills``, and under async
+scheduling add the output placeholders, hand every decoding request the
+step's one spec-token placeholder list and set its
+``next_decode_eligible_step``.  The rest of each method (clearing
+``finished_req_ids`` and ``reset_preempted_req_ids``; up to 0.33.0 keeping
+the list as ``_spec_token_placeholders``) stays as vLLM wrote it.  A batch
+that holds anything but plain requests and the flags vLLM keeps (the kernel
+checks before it changes anything) runs vLLM's method, unchanged.
+
+What differs by release is read once, when the patch binds, from the async
+method's fingerprint (``ASYNC_VARIANTS``; for code the guard does not know,
+under ``FASTBATCH=force``, from the names the method reads): up to vLLM
+0.33.0 the async method keeps the list on the scheduler and sets the
+eligible step only when ``self.use_v2_model_runner``; on 0.34.0 the list is
+a local, the step is set for every decoding request, and the scheduler has
+no ``use_v2_model_runner``.  A request's tokens are a list up to 0.33.0 and
+a ``TokenBuffer`` (an ``array('i')``) on 0.34.0: only their count is read.
 
 Why: two Python loops over every scheduled request per step, reading
 ``Request`` properties; at 1024 running requests 0.38 s + 0.66 s of the
@@ -29,29 +39,40 @@ Safety: see ``fastbatch.patches._patch``.  The guard pins both methods (the
 async one's replacement also stands in for the base method it calls) and the
 ``Request`` properties the compiled pass reads directly (``num_tokens``,
 ``use_structured_output``).  The activation check runs stock and fastbatch
-side by side on small real ``Request`` objects, for both classes, with and
-without deferred block freeing, spec tokens, structured output and the Model
-Runner V2 branch, after confirming that every request attribute the compiled
-call reads or writes through the instance dict is a plain instance
-attribute (``instance_dict_problem``).
+side by side on small real ``Request`` objects and real ``SchedulerOutput``
+objects, for both classes, with and without deferred block freeing, spec
+tokens, structured output and (where the release has it) the Model Runner V2
+flag, after confirming that every request attribute the compiled call reads
+or writes through the instance dict is a plain instance attribute
+(``instance_dict_problem``).  Its schedulers are vLLM's classes built
+without ``__init__`` and given only attributes that the release's
+``__init__`` sets (``scheduler_attributes``; anything else is a refusal).
+It passes only if the compiled call itself took every request of each batch
+(its ``stats()`` counter): a kernel that hands the batch back to vLLM is a
+refusal.
 
 Shadow check (``FASTBATCH_VERIFY``, one on each patch): before the call each
 scheduled request's fields that the methods read and write are copied (its
-token list is shared: only its length is read), with the scheduler's and the
-scheduler output's fields, the ids in ``_inflight_prefills`` and the two id
-sets the method replaces.  vLLM's method runs on stand-ins built from the copy
-(real ``Request``/scheduler classes built without ``__init__``; while vLLM's
-async method runs there, ``Scheduler`` holds vLLM's own base method for its
-``super()`` call).  Compared: every written field of each scheduled request
-(value and type), which requests hold the scheduler's one placeholder list,
-the in-flight prefills, the new id sets (and that the old set objects, which
-the scheduler output holds, keep their content), the placeholder list and the
-output's two flags.  On a divergence vLLM's values are put in the live
-requests, the same in-flight set object, the scheduler and the output.
+token store is shared: only its length is read), with the scheduler's and the
+scheduler output's fields (those the release's objects have), the ids in
+``_inflight_prefills`` and the two id sets the method replaces.  vLLM's
+method runs on stand-ins built from the copy (real ``Request``/scheduler
+classes built without ``__init__``; while vLLM's async method runs there,
+``Scheduler`` holds vLLM's own base method for its ``super()`` call).
+Compared: every written field of each scheduled request (value and type),
+which spec-token list each holds (the scheduler's placeholder list, the one
+it had, or a new one shared with which other requests), the in-flight
+prefills, the new id sets (and that the old set objects, which the scheduler
+output holds, keep their content), the scheduler's placeholder list where
+the release keeps one, and the output's two flags.  On a divergence vLLM's
+values are put in the live requests, the same in-flight set object, the
+scheduler and the output.
 """
 
 from __future__ import annotations
 
+import copy
+import dis
 from types import SimpleNamespace
 from typing import Any
 
@@ -66,6 +87,14 @@ VERIFIED_FINGERPRINTS = {
 }
 ASYNC_FINGERPRINTS = {
     "60faeadbc775ed7c26f5dd3a46a4cdf99ca0a53c30fa20d2aed24ba8578fb823": "vLLM 0.31.0-0.33.0",
+    "5696549a54d03cbb9adaa50238f2e54fde09f662b01022264bc9f1372b7411d8":
+        "vLLM 0.34.0: the placeholder list is a local, next_decode_eligible_step always set",
+}
+# Per verified async variant: (keeps the list as ``_spec_token_placeholders``,
+# sets ``next_decode_eligible_step`` on every decoding request).
+ASYNC_VARIANTS = {
+    "60faeadbc775ed7c26f5dd3a46a4cdf99ca0a53c30fa20d2aed24ba8578fb823": (True, False),
+    "5696549a54d03cbb9adaa50238f2e54fde09f662b01022264bc9f1372b7411d8": (False, True),
 }
 REQUEST_FINGERPRINTS = {
     "vllm.v1.request:Request.num_tokens.fget": {
@@ -80,21 +109,46 @@ ASYNC_COMPANION_FINGERPRINTS = {
 }
 
 # Bound on first use (this module imports no vLLM until then): vLLM's Request
-# class and vLLM's own two methods.
+# class and vLLM's own two methods, and what the async one's variant does.
 _REQUEST: Any = None
 _STOCK: Any = None
 _ASYNC_STOCK: Any = None
+_KEEPS_PLACEHOLDERS = True  # the async method stores the list on the scheduler
+_ALWAYS_ELIGIBLE = False  # it sets next_decode_eligible_step on every decoding request
+
+
+def async_variant(method: Any) -> tuple[bool, bool]:
+    """(keeps ``_spec_token_placeholders``, always sets the eligible step) for
+    vLLM's async method ``method``: from its fingerprint where it is a verified
+    variant, else (``FASTBATCH=force`` on unknown code) from the names it
+    reads; the activation check then judges the result."""
+    from fastbatch._fingerprint import fingerprint
+
+    try:
+        variant = ASYNC_VARIANTS.get(fingerprint(method))
+    except (OSError, TypeError, ValueError, SyntaxError):
+        variant = None
+    if variant is not None:
+        return variant
+    names = getattr(getattr(method, "__code__", None), "co_names", ())
+    return "_spec_token_placeholders" in names, "use_v2_model_runner" not in names
+
+
+def _bind_async(method: Any) -> None:
+    global _ASYNC_STOCK, _KEEPS_PLACEHOLDERS, _ALWAYS_ELIGIBLE
+    _ASYNC_STOCK = method
+    _KEEPS_PLACEHOLDERS, _ALWAYS_ELIGIBLE = async_variant(method)
 
 
 def _bind() -> None:
-    global _REQUEST, _STOCK, _ASYNC_STOCK
+    global _REQUEST, _STOCK
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.request import Request
 
     _REQUEST = Request
     _STOCK = PATCH.original() or Scheduler._update_after_schedule
-    _ASYNC_STOCK = ASYNC_PATCH.original() or AsyncScheduler._update_after_schedule
+    _bind_async(ASYNC_PATCH.original() or AsyncScheduler._update_after_schedule)
 
 
 def _update_after_schedule(self: Any, scheduler_output: Any) -> None:
@@ -102,7 +156,8 @@ def _update_after_schedule(self: Any, scheduler_output: Any) -> None:
     method with its per-request loop compiled."""
     if _REQUEST is None:
         _bind()
-    if not fastbatch.update_after_schedule(self, scheduler_output, None, _REQUEST):
+    if not fastbatch.update_after_schedule(self, scheduler_output, None, _REQUEST,
+                                           always_eligible=False):
         _STOCK(self, scheduler_output)
         return
     # Clear the finished and preempted request IDs.
@@ -123,12 +178,13 @@ def _update_after_schedule_async(self: Any, scheduler_output: Any) -> None:
     # Use the latest num of scheduled draft tokens in next step as placeholder.
     spec_token_placeholders = [-1] * scheduler_output.num_spec_tokens_to_schedule
     if not fastbatch.update_after_schedule(self, scheduler_output, spec_token_placeholders,
-                                           _REQUEST):
+                                           _REQUEST, always_eligible=_ALWAYS_ELIGIBLE):
         _ASYNC_STOCK(self, scheduler_output)
         return
     self.finished_req_ids = set()
     self.reset_preempted_req_ids = set()
-    self._spec_token_placeholders = spec_token_placeholders
+    if _KEEPS_PLACEHOLDERS:  # vLLM 0.31.0 to 0.33.0
+        self._spec_token_placeholders = spec_token_placeholders
 
 
 
@@ -163,22 +219,73 @@ _BATCH = (
 )
 
 
-def _small_scheduler(cls: Any, defer_block_free: bool, use_v2: bool) -> tuple[Any, Any]:
+def scheduler_attributes(cls: Any) -> set[str]:
+    """The attributes that ``cls.__init__`` (and each base class's
+    ``__init__``) assigns on ``self``, read off their bytecode: what a
+    scheduler of that class built by vLLM has (attributes that a helper
+    called from ``__init__`` sets are not seen: the check then refuses)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        code = getattr(vars(klass).get("__init__"), "__code__", None)
+        if code is None or not code.co_varnames:
+            continue
+        this = code.co_varnames[0]
+        previous = None
+        for instruction in dis.get_instructions(code):
+            # ``self.name = value``: self loaded (alone, or last of a pair on
+            # 3.13) just before STORE_ATTR.
+            if (instruction.opname == "STORE_ATTR" and previous is not None
+                    and previous.opname.startswith("LOAD_FAST")
+                    and (previous.argval == this
+                         or (type(previous.argval) is tuple and previous.argval[-1] == this))):
+                names.add(instruction.argval)
+            previous = instruction
+    return names
+
+
+def use_v2_values(cls: Any) -> tuple[bool | None, ...]:
+    """The values of ``use_v2_model_runner`` to check: both where the
+    release's scheduler has the attribute (vLLM up to 0.33.0), else None (not
+    set: vLLM 0.34.0 has no such attribute)."""
+    return (False, True) if "use_v2_model_runner" in scheduler_attributes(cls) else (None,)
+
+
+def _small_scheduler(cls: Any, defer_block_free: bool,
+                     use_v2: bool | None) -> tuple[Any, Any]:
     """A scheduler of class ``cls`` (built without ``__init__``: only the
-    attributes the method reads) and a scheduler output for ``_BATCH``."""
+    attributes the method reads, each one that the release's ``__init__``
+    sets; ``use_v2`` None: no ``use_v2_model_runner``) and a real
+    ``SchedulerOutput`` for ``_BATCH``.  LookupError if the release's
+    scheduler or output has no such attribute."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.output import SchedulerOutput
+
     scheduler = cls.__new__(cls)
     requests = [_small_request(rid, *rest[:5]) for rid, *rest in _BATCH]
-    scheduler.requests = {request.request_id: request for request in requests}
-    scheduler.defer_block_free, scheduler.sched_step_seq = defer_block_free, 1000
-    scheduler._inflight_prefills = {requests[0], requests[1], requests[5]}
-    scheduler.finished_req_ids, scheduler.reset_preempted_req_ids = {"gone"}, {"p"}
-    scheduler.num_sampled_tokens_per_step, scheduler.use_v2_model_runner = 1, use_v2
-    scheduler.current_step, scheduler.decode_stagger = 700, 2
-    output = SimpleNamespace(
-        num_scheduled_tokens={rid: scheduled for rid, *_, scheduled, _ in _BATCH},
-        scheduled_spec_decode_tokens={rid: spec for rid, *_, spec in _BATCH if spec},
-        num_spec_tokens_to_schedule=2, has_structured_output_requests=False,
-        pending_structured_output_tokens=False)
+    values = {
+        "requests": {request.request_id: request for request in requests},
+        "defer_block_free": defer_block_free, "sched_step_seq": 1000,
+        "_inflight_prefills": {requests[0], requests[1], requests[5]},
+        "finished_req_ids": {"gone"}, "reset_preempted_req_ids": {"p"},
+        "num_sampled_tokens_per_step": 1, "current_step": 700,
+        **({} if use_v2 is None else {"use_v2_model_runner": use_v2}),
+    }
+    if issubclass(cls, AsyncScheduler):
+        values["decode_stagger"] = 2
+    known = scheduler_attributes(cls)
+    for name, value in values.items():
+        if name not in known:
+            raise LookupError(f"vLLM's {cls.__name__}.__init__ sets no {name!r}")
+        setattr(scheduler, name, value)
+    output = SchedulerOutput.make_empty()
+    for name, value in (
+            ("num_scheduled_tokens", {rid: scheduled for rid, *_, scheduled, _ in _BATCH}),
+            ("scheduled_spec_decode_tokens", {rid: spec for rid, *_, spec in _BATCH if spec}),
+            ("num_spec_tokens_to_schedule", 2), ("has_structured_output_requests", False),
+            ("pending_structured_output_tokens", False)):
+        if not hasattr(output, name):
+            raise LookupError(f"vLLM's SchedulerOutput has no {name!r}")
+        setattr(output, name, value)
     return scheduler, output
 
 
@@ -187,14 +294,33 @@ _REQUEST_FIELDS = ("num_computed_tokens", "num_in_flight_tokens", "last_sched_se
                    "next_decode_eligible_step")
 
 
+def spec_lists(requests: Any, placeholders: Any, old: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
+    """Which spec-token list each request of ``requests`` (id, request pairs,
+    in order) holds: ``"scheduler"`` (the scheduler's ``placeholders``, up to
+    vLLM 0.33.0), ``"kept"`` (the object ``old`` has for it), else the id of
+    the first request that holds the same object (requests that share one)."""
+    first: dict[int, str] = {}
+    held = {}
+    for req_id, request in requests:
+        spec = getattr(request, "spec_token_ids", _MISSING)
+        if spec is placeholders and not _missing(placeholders):
+            held[req_id] = "scheduler"
+        elif old is not None and spec is old.get(req_id, _MISSING):
+            held[req_id] = "kept"
+        else:
+            held[req_id] = first.setdefault(id(spec), req_id)
+    return held
+
+
 def scheduler_state(scheduler: Any, output: Any) -> Any:
     """What the method may change, as plain data (values, and which requests
-    share the scheduler's placeholder list)."""
-    placeholders = getattr(scheduler, "_spec_token_placeholders", None)
+    share a spec-token list: the scheduler's, or one of this step's)."""
+    placeholders = getattr(scheduler, "_spec_token_placeholders", _MISSING)
     return (
         {rid: [(name, type(value := getattr(request, name)), value) for name in _REQUEST_FIELDS]
-         + [request.spec_token_ids is placeholders]
          for rid, request in scheduler.requests.items()},
+        spec_lists(scheduler.requests.items(), placeholders),
         sorted(request.request_id for request in scheduler._inflight_prefills),
         scheduler.finished_req_ids, scheduler.reset_preempted_req_ids, placeholders,
         [(name, type(value := getattr(output, name)), value) for name in (
@@ -205,7 +331,14 @@ def scheduler_state(scheduler: Any, output: Any) -> Any:
 # What the compiled call reads of a scheduled request through its instance
 # dict (it writes ``_WRITTEN``, below, the same way).
 REQUEST_READ = ("request_id", "num_computed_tokens", "num_in_flight_tokens",
-              "num_output_placeholders", "_all_token_ids", "structured_output_request")
+                "num_output_placeholders", "_all_token_ids", "structured_output_request")
+
+
+def _taken() -> tuple[int, int]:
+    """The piece's counters (requests the fast path took, batches it handed
+    back to vLLM), of the implementation in use."""
+    counters = fastbatch.stats()["after_schedule"]
+    return counters["requests"], counters["stock_calls"]
 
 
 def _check(cls: Any, method: Any, replacement: Any) -> str | None:
@@ -214,22 +347,33 @@ def _check(cls: Any, method: Any, replacement: Any) -> str | None:
     if problem is not None:
         return problem
     for defer_block_free in (False, True):
-        for use_v2 in (False, True):
+        for use_v2 in use_v2_values(cls):
+            case = f"defer_block_free={defer_block_free}" + (
+                "" if use_v2 is None else f", use_v2={use_v2}")
             states = []
             for function in (method, replacement):
-                scheduler, output = _small_scheduler(cls, defer_block_free, use_v2)
+                try:
+                    scheduler, output = _small_scheduler(cls, defer_block_free, use_v2)
+                except LookupError as exc:
+                    return f"cannot build the check's scheduler: {exc}"
+                before = _taken()
                 function(scheduler, output)
+                taken = [now - then for now, then in zip(_taken(), before, strict=True)]
                 states.append(scheduler_state(scheduler, output))
             if states[0] != states[1]:
-                return (f"defer_block_free={defer_block_free}, use_v2={use_v2}: fastbatch "
-                        f"left {states[1]}, vLLM {states[0]}")
+                return f"{case}: fastbatch left {states[1]}, vLLM {states[0]}"
+            if taken != [len(_BATCH), 0]:
+                return (f"{case}: the compiled call took {taken[0]} of {len(_BATCH)} "
+                        f"requests and handed {taken[1]} batch(es) back to vLLM's method: "
+                        "it would not act on this vLLM")
     return None
 
 
 def activation_check(method: Any, replacement: Any) -> str | None:
     """Why fastbatch must stay off, or None: a difference between stock and
     fastbatch on a small batch of real requests (prefill chunks, the last
-    chunk, decodes with and without spec tokens and structured output)."""
+    chunk, decodes with and without spec tokens and structured output), or a
+    compiled call that did not take the whole batch itself."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     global _STOCK
@@ -239,12 +383,12 @@ def activation_check(method: Any, replacement: Any) -> str | None:
 
 
 def async_activation_check(method: Any, replacement: Any) -> str | None:
-    """``activation_check`` for ``AsyncScheduler``."""
+    """``activation_check`` for ``AsyncScheduler`` (the variant of vLLM's
+    method, ``async_variant``, bound from ``method``)."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    global _ASYNC_STOCK
     _bind()
-    _ASYNC_STOCK = method
+    _bind_async(method)
     return _check(AsyncScheduler, method, replacement)
 
 
@@ -315,22 +459,21 @@ def _stand_in_request(fields: dict[str, Any], req_id: str) -> Any:
 
 
 def _outcome_of(scheduler: Any, output: Any, scheduled: list[str], old_sets: dict[str, Any],
-                saved_sets: dict[str, set[str]]) -> dict[str, Any]:
+                saved_sets: dict[str, set[str]], old_spec: dict[str, Any]) -> dict[str, Any]:
     """What the method changed, as plain data: per scheduled request its
-    written fields (value and type) and whether it holds the scheduler's
-    placeholder list; the in-flight prefills' ids; the two id sets (their
+    written fields (value and type) and which spec-token list it holds
+    (``spec_lists``: the scheduler's, the one it had, or a new one shared with
+    which requests); the in-flight prefills' ids; the two id sets (their
     content, whether they are new objects, and whether the old objects kept
-    their content, which the scheduler output still holds); the placeholder
-    list; the output's two flags."""
+    their content, which the scheduler output still holds); the scheduler's
+    placeholder list (where the release keeps one); the output's two flags."""
     placeholders = getattr(scheduler, "_spec_token_placeholders", _MISSING)
-    requests = {}
-    for req_id in scheduled:
-        request = scheduler.requests.get(req_id)
-        if request is not None:
-            requests[req_id] = (
-                [(name, type(value := getattr(request, name, _MISSING)), value)
-                 for name in _WRITTEN],
-                getattr(request, "spec_token_ids", None) is placeholders)
+    live = [(req_id, request) for req_id in scheduled
+            if (request := scheduler.requests.get(req_id)) is not None]
+    held = spec_lists(live, placeholders, old_spec)
+    requests = {req_id: ([(name, type(value := getattr(request, name, _MISSING)), value)
+                          for name in _WRITTEN], held[req_id])
+                for req_id, request in live}
     return {
         "requests": requests,
         "inflight_prefills": sorted(request if isinstance(request, str) else request.request_id
@@ -346,6 +489,11 @@ def _outcome_of(scheduler: Any, output: Any, scheduled: list[str], old_sets: dic
     }
 
 
+def _old_spec(inputs: dict[str, Any]) -> dict[str, Any]:
+    """Each scheduled request's spec-token list before the call (the object)."""
+    return {req_id: fields["spec_token_ids"] for req_id, fields in inputs["requests"].items()}
+
+
 def _outcome(inputs: dict[str, Any], result: None, scheduler: Any,
              scheduler_output: Any) -> dict[str, Any]:
     live = inputs["live"]
@@ -353,7 +501,8 @@ def _outcome(inputs: dict[str, Any], result: None, scheduler: Any,
                        {name: live[name] for name in ("finished_req_ids",
                                                       "reset_preempted_req_ids")},
                        {name: inputs[name] for name in ("finished_req_ids",
-                                                        "reset_preempted_req_ids")})
+                                                        "reset_preempted_req_ids")},
+                       _old_spec(inputs))
 
 
 def _run(function: Any, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -393,7 +542,8 @@ def _run(function: Any, inputs: dict[str, Any]) -> dict[str, Any]:
         function(scheduler, output)
     finally:
         Scheduler._update_after_schedule = stored
-    return _outcome_of(scheduler, output, list(inputs["requests"]), old, saved)
+    return _outcome_of(scheduler, output, list(inputs["requests"]), old, saved,
+                       _old_spec(inputs))
 
 
 def _compare(ours: dict[str, Any], stock: dict[str, Any]) -> str | None:
@@ -411,20 +561,25 @@ def _compare(ours: dict[str, Any], stock: dict[str, Any]) -> str | None:
 
 def _restore(inputs: dict[str, Any], stock: dict[str, Any], result: None, scheduler: Any,
              scheduler_output: Any) -> None:
-    """vLLM's outcome put in the live objects: the requests' fields, the
-    in-flight set (the same set object), new id sets (the old objects get
-    their content back), the placeholder list, the output's flags."""
+    """vLLM's outcome put in the live objects: the requests' fields (each
+    spec-token list the scheduler's, the request's own, or one new list per
+    group that vLLM's method left sharing one), the in-flight set (the same
+    set object), new id sets (the old objects get their content back), the
+    placeholder list, the output's flags."""
     live = inputs["live"]
     placeholders = stock["spec_token_placeholders"]
     if not _missing(placeholders):
         scheduler._spec_token_placeholders = placeholders[0](placeholders[1])
-    for req_id, (fields, holds_placeholders) in stock["requests"].items():
+    new_lists: dict[str, Any] = {}
+    for req_id, (fields, held) in stock["requests"].items():
         request = scheduler.requests[req_id]
-        for name, _, value in fields:
-            if name == "spec_token_ids" and holds_placeholders:
+        for name, kind, value in fields:
+            if name == "spec_token_ids" and held == "scheduler":
                 value = scheduler._spec_token_placeholders
-            elif name == "spec_token_ids":
+            elif name == "spec_token_ids" and held == "kept":
                 value = inputs["requests"][req_id]["spec_token_ids"]
+            elif name == "spec_token_ids" and not _missing(value):
+                value = new_lists.setdefault(held, kind(value))
             if _missing(value):
                 vars(request).pop(name, None)
             else:
@@ -445,12 +600,14 @@ def _restore(inputs: dict[str, Any], stock: dict[str, Any], result: None, schedu
 
 
 def _for_reproducer(inputs: dict[str, Any]) -> dict[str, Any]:
-    """The inputs without the live objects, the token lists copied, and a
-    structured-output request as a stand-in (only ``is not None`` is read)."""
+    """The inputs without the live objects, the token stores copied (of their
+    own type: a ``TokenBuffer`` stays one), and a structured-output request
+    as a stand-in (only ``is not None`` is read)."""
     requests = {}
     for req_id, fields in inputs["requests"].items():
         fields = dict(fields)
-        fields["_all_token_ids"] = list(fields["_all_token_ids"])
+        tokens = fields["_all_token_ids"]
+        fields["_all_token_ids"] = list(tokens) if type(tokens) is list else copy.deepcopy(tokens)
         if not (fields["structured_output_request"] is None
                 or _missing(fields["structured_output_request"])):
             fields["structured_output_request"] = SimpleNamespace()

@@ -19,6 +19,15 @@ completes a block to cache, it plans it: the coordinator's
 ``allocate_new_blocks`` and ``cache_blocks``, the only calls of vLLM's
 method that act there, with vLLM's arguments, and ``create_kv_cache_blocks``.
 Every other call runs vLLM's method, unchanged, with the same arguments.
+The method is the same on vLLM 0.32.0 to 0.34.0, and so is every function on
+the path it stands in for (the companions below).  0.34.0 changed code around
+it that the fast path neither reads nor reproduces: the block pool's prefix
+cache map (block ids, duplicates in ``_dup_ids``), ``KVCacheBlock``'s hash
+fields and weak ``pool``, ``req_to_blocks``' lists (``untracked_list``: still
+plain lists), the block hasher (``token_slice``) and the request's token
+store (a ``TokenBuffer``, an ``array('i')``: the compiled call takes only its
+length, as the pinned ``Request.num_tokens`` does).  Those are reached only
+through vLLM's own coordinator, on the calls the fast path plans.
 
 Why: in a decode step stock walks the manager, the coordinator and the
 single-type manager (remove skipped blocks, count blocks to allocate,
@@ -42,7 +51,11 @@ the fields they return); the activation check also refuses when the coordinator 
 full-attention manager class overrides any of those, and runs stock and
 fastbatch side by side on two small real KV-cache managers (prefix caching
 on and off, across block boundaries, plain decode steps and spec decode
-steps with drafts and lookahead slots).
+steps with drafts and lookahead slots), and it fails unless the piece
+in use itself took calls there: its counters of answered calls (plain and
+with lookahead slots) and of planned ones must move, so a kernel that hands
+every call back to vLLM's method (a class it no longer recognises, say) is
+refused, not installed as a slower stock.
 
 Shadow check (``FASTBATCH_VERIFY``): only the calls that fastbatch answers
 or plans itself are checked (``Shadow.check``: the pieces' ``stock_allocations``
@@ -80,57 +93,70 @@ MODULE = "vllm.v1.core.kv_cache_manager"
 COORDINATOR = "vllm.v1.core.kv_cache_coordinator"
 SINGLE_TYPE = "vllm.v1.core.single_type_kv_cache_manager"
 
+# What the compiled call reads of vLLM's objects, it reads where a pinned
+# function below reads it, the same way: ``req_to_blocks[id]``'s length
+# (``get_num_blocks_to_allocate``), ``_partial_hit_reqs`` (``_has_partial_local_hit``),
+# ``num_cached_block.get(id, 0)``, ``block_pool.hash_block_size`` and
+# ``kv_cache_spec.prefix_cacheable`` (``cache_blocks``), ``enable_caching`` and
+# ``num_reprefillable_tokens`` (the coordinator's ``cache_blocks`` and
+# ``get_num_cacheable_tokens``), ``free_block_queue.num_free_blocks``
+# (``BlockPool.get_num_free_blocks``), ``len(_all_token_ids)`` (``Request.num_tokens``).
+# It reads no block, block hash, free-queue link or prefix-cache map, and writes
+# nothing: the planned calls are vLLM's coordinator's own.  So what vLLM 0.34.0
+# changed there (the map's block ids and ``_dup_ids``, ``KVCacheBlock.block_hash``
+# as a field, its weak ``pool``, ``untracked_list``, ``TokenBuffer``) is not on
+# what the fast path stands in for; every function below kept its fingerprint.
 VERIFIED_FINGERPRINTS = {
-    "76ddab98f3e29547479311ce4bb74b8446da89e24851720759bd88522c7b316d": "vLLM 0.32.0-0.33.0",
+    "76ddab98f3e29547479311ce4bb74b8446da89e24851720759bd88522c7b316d": "vLLM 0.32.0-0.34.0",
 }
 COMPANION_FINGERPRINTS = {
     f"{MODULE}:KVCacheManager.create_kv_cache_blocks": {
-        "6010d9d6770a647c2fb353973188ca411bcdfaf54013e46d2512e1ce12592320": "vLLM 0.32.0-0.33.0"},
+        "6010d9d6770a647c2fb353973188ca411bcdfaf54013e46d2512e1ce12592320": "vLLM 0.32.0-0.34.0"},
     f"{COORDINATOR}:KVCacheCoordinator.get_num_blocks_to_allocate": {
-        "0778a9f2f91c10c0d19901f0496877cbdca9d30b5e16cc35ecde3baea46c4d8b": "vLLM 0.32.0-0.33.0"},
+        "0778a9f2f91c10c0d19901f0496877cbdca9d30b5e16cc35ecde3baea46c4d8b": "vLLM 0.32.0-0.34.0"},
     f"{COORDINATOR}:KVCacheCoordinator.allocate_new_computed_blocks": {
-        "f0c870b3548566ceb65d6ff10a3a81870851c0bfb5ffada7ac2a94b3ea593cf9": "vLLM 0.32.0-0.33.0"},
+        "f0c870b3548566ceb65d6ff10a3a81870851c0bfb5ffada7ac2a94b3ea593cf9": "vLLM 0.32.0-0.34.0"},
     f"{COORDINATOR}:KVCacheCoordinator.allocate_new_blocks": {
-        "95397e390a22b80afa23371df6e7d96c8afd9bb6834ca028bc74e068e52c1e22": "vLLM 0.32.0-0.33.0"},
+        "95397e390a22b80afa23371df6e7d96c8afd9bb6834ca028bc74e068e52c1e22": "vLLM 0.32.0-0.34.0"},
     f"{COORDINATOR}:KVCacheCoordinator.get_num_cacheable_tokens": {
-        "07c1ee429b549adab84659e27b61531c1aa4c55e96cf28b0498ebbca89143549": "vLLM 0.32.0-0.33.0"},
+        "07c1ee429b549adab84659e27b61531c1aa4c55e96cf28b0498ebbca89143549": "vLLM 0.32.0-0.34.0"},
     f"{COORDINATOR}:KVCacheCoordinator.cache_blocks": {
         "8b63eea0bf300913bb82c6f552407da5cc85de08a70b3c2f9566a627e674a282":
             "vLLM 0.32.0: replay boundaries from eagle_group_ids (pure, read only)",
         "2bb7b1fbf2d5d677df1575911e4ddd1bc5f474764bb7517eaab886554f05279d":
-            "vLLM 0.33.0: replay boundaries from drop_eagle_group_ids"},
+            "vLLM 0.33.0-0.34.0: replay boundaries from drop_eagle_group_ids"},
     f"{COORDINATOR}:KVCacheCoordinator.remove_skipped_blocks": {
-        "fb2ebfe747af6b41e9ba28ebe18410a1e99b588a8a869091bd133ca9d5d4d173": "vLLM 0.32.0-0.33.0"},
+        "fb2ebfe747af6b41e9ba28ebe18410a1e99b588a8a869091bd133ca9d5d4d173": "vLLM 0.32.0-0.34.0"},
     f"{COORDINATOR}:replay_boundaries": {
-        "fdbb12b84dda0ac5e4b121d10b343c55f4f1d260e7d912af9d746024068a0a96": "vLLM 0.32.0-0.33.0"},
+        "fdbb12b84dda0ac5e4b121d10b343c55f4f1d260e7d912af9d746024068a0a96": "vLLM 0.32.0-0.34.0"},
     f"{SINGLE_TYPE}:SingleTypeKVCacheManager.get_num_blocks_to_allocate": {
-        "ff0c4a69190434722d66172b9168150d008327afedb8f33531bd35050d72c02f": "vLLM 0.32.0-0.33.0"},
+        "ff0c4a69190434722d66172b9168150d008327afedb8f33531bd35050d72c02f": "vLLM 0.32.0-0.34.0"},
     # The block count of a request without a cached-block entry (no prefix
     # cache) reads these two on its (empty) new computed blocks.
     f"{SINGLE_TYPE}:SingleTypeKVCacheManager._has_partial_local_hit": {
-        "ab42d67829c56771857e3bffcf6d6e73e6e14eb4fbc7c1ead833e241519b4cfa": "vLLM 0.32.0-0.33.0"},
+        "ab42d67829c56771857e3bffcf6d6e73e6e14eb4fbc7c1ead833e241519b4cfa": "vLLM 0.32.0-0.34.0"},
     f"{SINGLE_TYPE}:SingleTypeKVCacheManager._get_num_evictable_blocks": {
-        "ccc150d0bf1b51f431145fc4e5362da9c25fa66f92ffe43c71c5e1a1f2f01e18": "vLLM 0.32.0-0.33.0"},
+        "ccc150d0bf1b51f431145fc4e5362da9c25fa66f92ffe43c71c5e1a1f2f01e18": "vLLM 0.32.0-0.34.0"},
     f"{SINGLE_TYPE}:SingleTypeKVCacheManager.allocate_new_blocks": {
-        "cf7e83edf6a526ee24540fb304b7e042d3cdbeddffb81e6c8b4523b2291b0ae3": "vLLM 0.32.0-0.33.0"},
+        "cf7e83edf6a526ee24540fb304b7e042d3cdbeddffb81e6c8b4523b2291b0ae3": "vLLM 0.32.0-0.34.0"},
     f"{SINGLE_TYPE}:SingleTypeKVCacheManager.cache_blocks": {
         "5f63dc78fb857aff332222349da5d5ce04683bd606c4b00743f935719a3631c8":
             "vLLM 0.32.0: full blocks = num_tokens // block_size",
         "a20ae08d12b7b2ddcf0caf0b46df858b7bb120c24f57630a019114b15fd67c08":
-            "vLLM 0.33.0: full blocks limited to the hashed tokens"},
+            "vLLM 0.33.0-0.34.0: full blocks limited to the hashed tokens"},
     f"{SINGLE_TYPE}:SingleTypeKVCacheManager.remove_skipped_blocks": {
-        "3fb797e9eed447b879583337f520907c92728ccee9841d40a976dd614b9d8b9b": "vLLM 0.32.0-0.33.0"},
+        "3fb797e9eed447b879583337f520907c92728ccee9841d40a976dd614b9d8b9b": "vLLM 0.32.0-0.34.0"},
     f"{SINGLE_TYPE}:SingleTypeKVCacheManager.get_num_skipped_tokens": {
-        "45aadbc037d572ebc622bb5341504a7852ab6a688fdf03936df6162d4b4f3852": "vLLM 0.32.0-0.33.0"},
+        "45aadbc037d572ebc622bb5341504a7852ab6a688fdf03936df6162d4b4f3852": "vLLM 0.32.0-0.34.0"},
     f"{SINGLE_TYPE}:FullAttentionManager.cache_blocks": {
-        "eccffa40955d947e3cf48b0ffce6d4d91a2f18bbbba3f8aa3c67b8a1fe22bb2e": "vLLM 0.32.0-0.33.0"},
+        "eccffa40955d947e3cf48b0ffce6d4d91a2f18bbbba3f8aa3c67b8a1fe22bb2e": "vLLM 0.32.0-0.34.0"},
     "vllm.v1.core.block_pool:BlockPool.get_num_free_blocks": {
-        "524e12794b92106b07b80456eef44ede75be423234913cd3eb6ff91152b614d3": "vLLM 0.32.0-0.33.0"},
+        "524e12794b92106b07b80456eef44ede75be423234913cd3eb6ff91152b614d3": "vLLM 0.32.0-0.34.0"},
     # Properties: their getters (the compiled call reads what they return).
     "vllm.v1.request:Request.num_tokens.fget": {
-        "d70392fb2938c5c907af6d7176b8ccb116027a931998fea6f5a0ebff08f41a63": "vLLM 0.32.0-0.33.0"},
+        "d70392fb2938c5c907af6d7176b8ccb116027a931998fea6f5a0ebff08f41a63": "vLLM 0.32.0-0.34.0"},
     "vllm.v1.kv_cache_interface:FullAttentionSpec.prefix_cacheable.fget": {
-        "c00daac6f107eb5f6024f5d915afe985a58e00aad3b1ee6ba3e6bed17f8a55fb": "vLLM 0.32.0-0.33.0"},
+        "c00daac6f107eb5f6024f5d915afe985a58e00aad3b1ee6ba3e6bed17f8a55fb": "vLLM 0.32.0-0.34.0"},
 }
 
 # The methods the fast answer stands in for, which the coordinator and the
@@ -203,7 +229,8 @@ def overridden_methods() -> list[str]:
 
 def kv_manager_state(manager: Any) -> Any:
     """A KV-cache manager's state as plain data: block tables, cached counts,
-    free queue order, ref counts and hashes."""
+    free queue order, ref counts and hashes, and the prefix cache's entries
+    (each hash with the ids of the blocks cached under it)."""
     pool = manager.block_pool
     return (
         [({rid: [block.block_id for block in blocks]
@@ -212,7 +239,26 @@ def kv_manager_state(manager: Any) -> Any:
          for single in manager.coordinator.single_type_managers],
         [block.block_id for block in pool.free_block_queue.get_all_free_blocks()],
         [(block.block_id, block.ref_cnt, block.block_hash) for block in pool.blocks],
+        _prefix_cache_entries(pool.cached_block_hash_to_block),
     )
+
+
+def _prefix_cache_entries(cache: Any) -> dict[Any, list[int]]:
+    """``BlockHashToBlockMap``'s entries as ``{hash: sorted block ids}``:
+    vLLM 0.34.0 keeps one block id per hash in ``_cache`` and the ids of a
+    hash cached by several blocks in ``_dup_ids``; before, ``_cache`` held a
+    block, or a dict of blocks by id."""
+    entries: dict[Any, list[int]] = {}
+    for key, value in cache._cache.items():
+        if isinstance(value, int):
+            entries[key] = [value]
+        elif isinstance(value, dict):
+            entries[key] = sorted(value)
+        else:
+            entries[key] = [value.block_id]
+    for key, ids in getattr(cache, "_dup_ids", {}).items():
+        entries[key] = sorted(ids)
+    return entries
 
 
 def _small_manager(enable_caching: bool) -> Any:
@@ -279,21 +325,43 @@ def _side_by_side(method: Any, replacement: Any, enable_caching: bool,
 
 
 def activation_check(method: Any, replacement: Any) -> str | None:
-    """Why fastbatch must stay off, or None: an override on the path, or a
+    """Why fastbatch must stay off, or None: an override on the path, a
     difference between stock and fastbatch on two small real KV-cache managers
-    (a prefill, then decode steps across block boundaries, plain and with
-    spec decoding's drafts and lookahead slots, a step with more blocks
-    reserved than free, prefix caching on and off)."""
+    (vLLM's ``KVCacheManager`` and ``Request``: a prefill, then decode steps
+    across block boundaries, plain and with spec decoding's drafts and
+    lookahead slots, a step with more blocks reserved than free, prefix
+    caching on and off), or a fast path that took none of those calls (the
+    piece's counters: answered plain and lookahead calls, planned ones)."""
     bind(method)
     overridden = overridden_methods()
     if overridden:
         return f"{', '.join(overridden)} override(s) the base method"
+    before = _piece.stats()
     for enable_caching in (True, False):
         for lookahead in (0, 2):
             problem = _side_by_side(method, replacement, enable_caching, lookahead)
             if problem is not None:
                 return problem
-    return None
+    return _fast_path_unused(before, _piece.stats())
+
+
+# What the check's steps must have taken on the fast path: answered (plain and
+# with lookahead slots) and planned (new blocks, a block to cache).
+_CHECKED_PATHS = {"noop_allocations": "answered a decode call itself",
+                  "noop_lookahead_allocations": "answered a spec decode call itself",
+                  "direct_allocations": "planned an allocation or caching itself"}
+
+
+def _fast_path_unused(before: dict[str, int], after: dict[str, int]) -> str | None:
+    """Why the check did not prove the fast path (a counter of the piece in
+    use did not move while vLLM's results were matched), or None."""
+    unused = [what for counter, what in _CHECKED_PATHS.items()
+              if after[counter] == before[counter]]
+    if not unused:
+        return None
+    return (f"fastbatch's allocate_slots never {' nor '.join(unused)} in the check "
+            f"({after['stock_allocations'] - before['stock_allocations']} calls handed to "
+            f"vLLM's method): the fast path does not take this vLLM's requests")
 
 
 # The shadow check (FASTBATCH_VERIFY) ---------------------------------------

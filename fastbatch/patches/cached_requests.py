@@ -1,14 +1,30 @@
 """Patch: ``vllm.v1.core.sched.scheduler.Scheduler._make_cached_request_data``.
 
 What is replaced: the method with which ``Scheduler.schedule()`` packs, every
-step, the requests that were scheduled before (running and resumed ones)
-into a ``CachedRequestData``: their ids, block ids, computed and output
-token counts, and for requests not scheduled in the previous step a copy of
-their token ids.  The replacement is vLLM's method with its per-request loop
-done by one compiled call (``fastbatch.cached_request_lists``), which builds
-the same lists, set and dict, in the same order.  With pipeline parallelism
-and no async scheduling (the one case that also sends each request's new
-token ids) the whole call runs vLLM's method.
+step, the requests that were scheduled before into a ``CachedRequestData``:
+their ids, block ids, computed and output token counts.  vLLM has it in two
+shapes, and the patch binds to the one installed, once (``_bind``: the
+method's parameters and ``CachedRequestData``'s fields):
+
+- vLLM 0.30.0 to 0.33.0 (``_make_with_resumed``): ``(running_reqs,
+  resumed_reqs, num_scheduled_tokens, spec_decode_tokens,
+  req_to_new_blocks)``, seven fields: the running requests, then the resumed
+  ones (also in ``resumed_req_ids``), and under Model Runner V1, for requests
+  not scheduled in the previous step, a copy of their token ids
+  (``all_token_ids``).
+- vLLM 0.34.0 (``_make_running_only``): ``(running_reqs,
+  num_scheduled_tokens, spec_decode_tokens, req_to_new_blocks)``, five fields
+  (no ``resumed_req_ids``, no ``all_token_ids``): resumed requests are sent
+  again in full as new ones, and no token ids are read.
+
+Either replacement is vLLM's method with its per-request loop done by one
+compiled call (``fastbatch.cached_request_lists``; on 0.34.0 with no resumed
+requests and no token ids to send, the branch 0.33.0 takes under Model
+Runner V2), which builds the same lists, set and dict, in the same order.
+The installed method takes its arguments as vLLM's of that release does,
+by position or by keyword.  With pipeline parallelism and no async
+scheduling (the one case that also sends each request's new token ids) the
+whole call runs vLLM's method.
 
 Why: a Python loop over every running request per step, with six list
 appends, ``KVCacheBlocks.get_block_ids`` (a generator and a comprehension
@@ -20,16 +36,23 @@ EngineCore, not in the worker), so this piece acts under both runners.
 
 When it can go: if vLLM builds this per-step payload from arrays.
 
-Safety: see ``fastbatch.patches._patch``.  The guard pins the method and
-what the compiled loop reads in place of calling it: ``KVCacheBlocks
-.get_block_ids``, ``ConstantList.copy`` and ``Request.num_output_tokens``.
-The activation check also refuses a ``CachedRequestData`` whose fields are
-not the seven it fills, and runs stock and fastbatch side by side on small
-real requests and KV-cache blocks (running and resumed requests, new and
-empty blocks, two KV-cache groups, both model runners' branches).
+Safety: see ``fastbatch.patches._patch``.  The guard pins the method (one
+fingerprint per shape) and what the compiled loop reads in place of calling
+it: ``KVCacheBlocks.get_block_ids``, ``ConstantList.copy`` (0.30.0 to
+0.33.0's token-id copies; on 0.34.0 ``Request._all_token_ids`` is a
+``TokenBuffer`` whose ``copy()`` gives a list, and no token ids are read)
+and ``Request.num_output_tokens``.  The activation check refuses a method
+and ``CachedRequestData`` of neither shape, then runs stock and fastbatch
+side by side on small real requests and KV-cache blocks, on a ``Scheduler``
+instance that carries only the attributes the release's method reads
+(running and, before 0.34.0, resumed requests; new and empty blocks, two
+KV-cache groups, pipeline parallelism with async scheduling; before 0.34.0
+both model runners' branches), calling by position and by keyword; and it
+passes only if the compiled loop itself took every request of each call
+(its ``requests`` counter).
 
 Shadow check (``FASTBATCH_VERIFY``): vLLM's method only reads, so only the
-two request lists are copied; it runs right after fastbatch's call on the same
+request lists are copied; it runs right after fastbatch's call on the same
 requests and blocks.  Compared: every field of the two ``CachedRequestData``
 in order (dicts by their items, in order), and that no token list sent is a
 request's own list.  On a divergence the call returns vLLM's.  The reproducer
@@ -40,37 +63,79 @@ itself: not checked.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from types import SimpleNamespace
 from typing import Any
 
 import fastbatch
+from fastbatch import _reference
 from fastbatch.patches._patch import Patch, Shadow
 
 MODULE = "vllm.v1.core.sched.scheduler"
 
 VERIFIED_FINGERPRINTS = {
     "06d16f126e559b761fc93c637e875dfb573b2957f6017304f455c07f8a8a68ae": "vLLM 0.27.0-0.33.0",
+    "8222cc2e6b518a73b66e40fb0b3cab9dab2df53ee64470f9b91cb5689daef3a4":
+        "vLLM 0.34.0: running requests only (resumed ones are sent again as new), "
+        "no resumed_req_ids or all_token_ids",
 }
 COMPANION_FINGERPRINTS = {
     "vllm.v1.core.kv_cache_manager:KVCacheBlocks.get_block_ids": {
-        "2ad0a22dc7d487e15941f3ffec417685c71f75400bcc21697dec50958031f186": "vLLM 0.30.0-0.33.0"},
+        "2ad0a22dc7d487e15941f3ffec417685c71f75400bcc21697dec50958031f186": "vLLM 0.30.0-0.34.0"},
     "vllm.v1.utils:ConstantList.copy": {
-        "973c82b058b491bcadeedea4869f3bf14b9d772537d03a4ae1d1359c6fc39460": "vLLM 0.31.0-0.33.0"},
+        "973c82b058b491bcadeedea4869f3bf14b9d772537d03a4ae1d1359c6fc39460": "vLLM 0.31.0-0.34.0"},
     "vllm.v1.request:Request.num_output_tokens.fget": {
-        "6cf9ce95b8215fda4e8026120186cbe096dc989dc56f01fc2e61cfabafe20d0f": "vLLM 0.31.0-0.33.0"},
+        "6cf9ce95b8215fda4e8026120186cbe096dc989dc56f01fc2e61cfabafe20d0f": "vLLM 0.31.0-0.34.0"},
 }
-CACHED_REQUEST_FIELDS = ("req_ids", "resumed_req_ids", "new_token_ids", "all_token_ids",
-                         "new_block_ids", "num_computed_tokens", "num_output_tokens")
 
-# Bound on first use (this module imports no vLLM until then):
-# (Request, KVCacheBlocks, ConstantList), CachedRequestData and vLLM's own method.
+# The two shapes of vLLM's method: its parameters, and the fields of the
+# CachedRequestData it fills.
+WITH_RESUMED = "with resumed requests (vLLM 0.30.0-0.33.0)"
+RUNNING_ONLY = "running requests only (vLLM 0.34.0)"
+SHAPES = {
+    WITH_RESUMED: (("self", "running_reqs", "resumed_reqs", "num_scheduled_tokens",
+                    "spec_decode_tokens", "req_to_new_blocks"),
+                   ("req_ids", "resumed_req_ids", "new_token_ids", "all_token_ids",
+                    "new_block_ids", "num_computed_tokens", "num_output_tokens")),
+    RUNNING_ONLY: (("self", "running_reqs", "num_scheduled_tokens", "spec_decode_tokens",
+                    "req_to_new_blocks"),
+                   ("req_ids", "new_token_ids", "new_block_ids", "num_computed_tokens",
+                    "num_output_tokens")),
+}
+CACHED_REQUEST_FIELDS = SHAPES[WITH_RESUMED][1]  # 0.30.0-0.33.0's (before the 0.34.0 port)
+
+# Bound on first use (this module imports no vLLM until then), or by the
+# activation check: (Request, KVCacheBlocks, ConstantList), CachedRequestData,
+# vLLM's own method, the shape it has (None: neither), and the replacement of
+# that shape (vLLM's method where neither).
 _KINDS: tuple[Any, Any, Any] | None = None
 _CACHED_REQUEST_DATA: Any = None
 _STOCK: Any = None
+_SHAPE: str | None = None
+_IMPL: Any = None
+_SIGNATURE: inspect.Signature | None = None  # _IMPL's (the shadow binds calls to it)
 
 
-def _bind() -> None:
-    global _KINDS, _CACHED_REQUEST_DATA, _STOCK
+def shape_of(method: Any, data_type: Any) -> str | None:
+    """Which of ``SHAPES`` vLLM's ``method`` and its ``CachedRequestData``
+    (``data_type``) have, or None."""
+    try:
+        parameters = tuple(inspect.signature(method).parameters)
+    except (TypeError, ValueError):
+        return None
+    fields = tuple(field.name for field in dataclasses.fields(data_type))
+    for shape, expected in SHAPES.items():
+        if (parameters, fields) == expected:
+            return shape
+    return None
+
+
+def _bind(method: Any = None) -> None:
+    """Bind to the installed vLLM, once: its classes, its method (``method``,
+    else the one the patch replaced, else the class's) and that method's
+    shape, which picks the replacement every later call runs."""
+    global _KINDS, _CACHED_REQUEST_DATA, _STOCK, _SHAPE, _IMPL, _SIGNATURE
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import CachedRequestData
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -79,17 +144,27 @@ def _bind() -> None:
 
     _KINDS = (Request, KVCacheBlocks, ConstantList)
     _CACHED_REQUEST_DATA = CachedRequestData
-    _STOCK = PATCH.original() or Scheduler._make_cached_request_data
+    _STOCK = method or PATCH.original() or Scheduler._make_cached_request_data
+    _SHAPE = shape_of(_STOCK, CachedRequestData)
+    _IMPL = {WITH_RESUMED: _make_with_resumed,
+             RUNNING_ONLY: _make_running_only}.get(_SHAPE, _STOCK)
+    _SIGNATURE = inspect.signature(_IMPL)
 
 
-def _make_cached_request_data(self: Any, running_reqs: list[Any], resumed_reqs: list[Any],
-                              num_scheduled_tokens: dict[str, int],
-                              spec_decode_tokens: dict[str, list[int]],
-                              req_to_new_blocks: dict[str, Any]) -> Any:
-    """fastbatch's drop-in for ``Scheduler._make_cached_request_data`` (same
-    signature): vLLM's method with its per-request loop compiled."""
-    if _KINDS is None:
+def _make_cached_request_data(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """fastbatch's drop-in for ``Scheduler._make_cached_request_data``: the
+    replacement of the installed vLLM's shape (bound once), which takes the
+    arguments as vLLM's method does, by position or keyword."""
+    if _IMPL is None:
         _bind()
+    return _IMPL(self, *args, **kwargs)
+
+
+def _make_with_resumed(self: Any, running_reqs: list[Any], resumed_reqs: list[Any],
+                       num_scheduled_tokens: dict[str, int],
+                       spec_decode_tokens: dict[str, list[int]],
+                       req_to_new_blocks: dict[str, Any]) -> Any:
+    """vLLM 0.30.0 to 0.33.0's method with its per-request loop compiled."""
     if self.use_pp and not self.scheduler_config.async_scheduling:
         return _STOCK(self, running_reqs, resumed_reqs, num_scheduled_tokens,
                       spec_decode_tokens, req_to_new_blocks)
@@ -108,6 +183,29 @@ def _make_cached_request_data(self: Any, running_reqs: list[Any], resumed_reqs: 
     )
 
 
+def _make_running_only(self: Any, running_reqs: list[Any],
+                       num_scheduled_tokens: dict[str, int],
+                       spec_decode_tokens: dict[str, list[int]],
+                       req_to_new_blocks: dict[str, Any]) -> Any:
+    """vLLM 0.34.0's method with its per-request loop compiled: the loop of
+    0.33.0 with no resumed requests and no token ids to send."""
+    if self.use_pp and not self.scheduler_config.async_scheduling:
+        return _STOCK(self, running_reqs, num_scheduled_tokens, spec_decode_tokens,
+                      req_to_new_blocks)
+    req_ids, _, _, new_block_ids, num_computed_tokens, num_output_tokens = (
+        fastbatch.cached_request_lists(running_reqs, [], req_to_new_blocks, None, _KINDS))
+    return _CACHED_REQUEST_DATA(
+        req_ids=req_ids,
+        new_token_ids=[],
+        new_block_ids=new_block_ids,
+        num_computed_tokens=num_computed_tokens,
+        num_output_tokens=num_output_tokens,
+    )
+
+
+def _token_lists(data: Any) -> dict[str, Any]:
+    """``data.all_token_ids`` (0.30.0 to 0.33.0), or no token lists (0.34.0)."""
+    return vars(data).get("all_token_ids", {})
 
 
 def cached_request_state(data: Any) -> Any:
@@ -115,7 +213,7 @@ def cached_request_state(data: Any) -> Any:
     their items, in order), and whether each token list is a list of its own."""
     return ([(name, list(value.items()) if isinstance(value, dict) else value)
              for name, value in vars(data).items()],
-            [type(ids) is list for ids in data.all_token_ids.values()])
+            [type(ids) is list for ids in _token_lists(data).values()])
 
 
 def _small_batch() -> tuple[list[Any], list[Any], dict[str, Any]]:
@@ -146,74 +244,139 @@ def _small_batch() -> tuple[list[Any], list[Any], dict[str, Any]]:
     return requests[:3], requests[3:], new_blocks
 
 
-def activation_check(method: Any, replacement: Any) -> str | None:
-    """Why fastbatch must stay off, or None: ``CachedRequestData`` has other
-    fields, or stock and fastbatch differ on a small real batch."""
-    import dataclasses
+def scheduler_with(shape: str, fields: dict[str, Any]) -> Any:
+    """A real ``Scheduler`` instance (built without ``__init__``) carrying
+    only what the method of ``shape`` reads: ``use_pp``,
+    ``scheduler_config.async_scheduling``, and before 0.34.0
+    ``use_v2_model_runner`` and ``prev_step_scheduled_req_ids``."""
+    from vllm.v1.core.sched.scheduler import Scheduler
 
+    scheduler = Scheduler.__new__(Scheduler)
+    scheduler.use_pp = fields["use_pp"]
+    scheduler.scheduler_config = SimpleNamespace(async_scheduling=fields["async_scheduling"])
+    if shape == WITH_RESUMED:
+        scheduler.use_v2_model_runner = fields["use_v2_model_runner"]
+        scheduler.prev_step_scheduled_req_ids = fields["prev_step_scheduled_req_ids"]
+    return scheduler
+
+
+def arguments_of(shape: str, running: list[Any], resumed: list[Any],
+                 num_scheduled_tokens: dict[str, int], spec_decode_tokens: dict[str, Any],
+                 new_blocks: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of the method of ``shape``, by name (0.34.0 has no
+    resumed requests: ``resumed`` must be empty there)."""
+    if shape == RUNNING_ONLY:
+        if resumed:
+            raise ValueError("vLLM 0.34.0's method takes no resumed requests")
+        return {"running_reqs": running, "num_scheduled_tokens": num_scheduled_tokens,
+                "spec_decode_tokens": spec_decode_tokens, "req_to_new_blocks": new_blocks}
+    return {"running_reqs": running, "resumed_reqs": resumed,
+            "num_scheduled_tokens": num_scheduled_tokens,
+            "spec_decode_tokens": spec_decode_tokens, "req_to_new_blocks": new_blocks}
+
+
+def _counted() -> int:
+    """The ``requests`` counter of the piece (compiled and twin together)."""
+    count = _reference.cached_requests.stats()["requests"]
+    if fastbatch.COMPILED:
+        from fastbatch._kernels import cached_requests as kernel
+
+        count += kernel.stats()["requests"]
+    return count
+
+
+def activation_check(method: Any, replacement: Any) -> str | None:
+    """Why fastbatch must stay off, or None: vLLM's method and
+    ``CachedRequestData`` are of neither shape, stock and fastbatch differ on
+    a small real batch, or fastbatch's compiled loop did not take its
+    requests."""
     from vllm.v1.core.sched.output import CachedRequestData
 
-    global _STOCK
-    _bind()
-    _STOCK = method
-    fields = tuple(field.name for field in dataclasses.fields(CachedRequestData))
-    if fields != CACHED_REQUEST_FIELDS:
-        return f"CachedRequestData has fields {fields}, not {CACHED_REQUEST_FIELDS}"
+    _bind(method)
+    if _SHAPE is None:
+        fields = tuple(field.name for field in dataclasses.fields(CachedRequestData))
+        return (f"vLLM's method {inspect.signature(method)} and CachedRequestData's fields "
+                f"{fields} are of neither verified shape: {SHAPES}")
     running, resumed, new_blocks = _small_batch()
-    for use_v2 in (False, True):
-        scheduler = SimpleNamespace(
-            use_pp=False, scheduler_config=SimpleNamespace(async_scheduling=False),
-            use_v2_model_runner=use_v2, prev_step_scheduled_req_ids={"r1", "r4"})
-        results = [function(scheduler, running, resumed, {}, {}, new_blocks)
-                   for function in (method, replacement)]
-        states = [cached_request_state(result) for result in results]
+    if _SHAPE == RUNNING_ONLY:
+        running, resumed = running + resumed, []
+        cases = [{"use_pp": use_pp, "async_scheduling": use_pp} for use_pp in (False, True)]
+    else:
+        cases = [{"use_pp": use_pp, "async_scheduling": use_pp, "use_v2_model_runner": use_v2,
+                  "prev_step_scheduled_req_ids": {"r1", "r4"}}
+                 for use_pp in (False, True) for use_v2 in (False, True)]
+    requests = running + resumed
+    own_lists = {id(request._all_token_ids) for request in requests}
+    for number, fields in enumerate(cases):
+        scheduler = scheduler_with(_SHAPE, fields)
+        arguments = arguments_of(_SHAPE, running, resumed, {}, {}, new_blocks)
+        expected = method(scheduler, **arguments)
+        before = _counted()
+        if number % 2:  # by keyword, as some callers pass them
+            got = replacement(scheduler, **arguments)
+        else:
+            got = replacement(scheduler, *arguments.values())
+        took = _counted() - before
+        states = [cached_request_state(result) for result in (expected, got)]
         if states[0] != states[1]:
-            return f"use_v2={use_v2}: fastbatch gave {states[1]}, vLLM {states[0]}"
-        own_lists = {id(request._all_token_ids) for request in running + resumed}
-        if any(id(ids) in own_lists for ids in results[1].all_token_ids.values()):
-            return f"use_v2={use_v2}: fastbatch gave a request's own token list, not a copy"
+            return f"{fields}: fastbatch gave {states[1]}, vLLM {states[0]}"
+        if any(id(ids) in own_lists for ids in _token_lists(got).values()):
+            return f"{fields}: fastbatch gave a request's own token list, not a copy"
+        if took != len(requests):
+            return (f"{fields}: fastbatch's compiled loop took {took} of the "
+                    f"{len(requests)} requests (the call was not fastbatch's)")
     return None
 
 
 # The shadow check (FASTBATCH_VERIFY) ---------------------------------------
-# vLLM's method changes nothing: it reads the requests, the blocks and four
-# scheduler fields, and builds a new CachedRequestData.  So the snapshot
+# vLLM's method changes nothing: it reads the requests, the blocks and the
+# scheduler's fields, and builds a new CachedRequestData.  So the snapshot
 # keeps the live objects (the request lists copied: the caller's), vLLM's
 # method runs on them after fastbatch's call, and the two results are
 # compared; on a divergence the call returns vLLM's.
 
+_REQUEST_LISTS = ("running_reqs", "resumed_reqs")
 
-def _snapshot(scheduler: Any, running_reqs: list[Any], resumed_reqs: list[Any],
-              num_scheduled_tokens: dict[str, int], spec_decode_tokens: dict[str, list[int]],
-              req_to_new_blocks: dict[str, Any]) -> dict[str, Any] | None:
-    """The live inputs (read only, kept), the request lists copied; None with
-    pipeline parallelism and no async scheduling, where fastbatch's call is
-    vLLM's method itself (nothing to check)."""
+
+def _snapshot(scheduler: Any, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
+    """The live inputs by name (read only, kept), the request lists copied;
+    None with pipeline parallelism and no async scheduling, where fastbatch's
+    call is vLLM's method itself (nothing to check)."""
+    if _IMPL is None:
+        _bind()
     if scheduler.use_pp and not scheduler.scheduler_config.async_scheduling:
         return None
-    return {
-        "scheduler": {"use_pp": scheduler.use_pp,
-                      "async_scheduling": scheduler.scheduler_config.async_scheduling,
-                      "use_v2_model_runner": scheduler.use_v2_model_runner,
-                      "prev_step_scheduled_req_ids": scheduler.prev_step_scheduled_req_ids},
-        "running_reqs": list(running_reqs), "resumed_reqs": list(resumed_reqs),
-        "num_scheduled_tokens": num_scheduled_tokens, "spec_decode_tokens": spec_decode_tokens,
-        "req_to_new_blocks": req_to_new_blocks,
-    }
+    assert _SIGNATURE is not None
+    arguments = _SIGNATURE.bind(scheduler, *args, **kwargs).arguments
+    del arguments["self"]
+    fields = {"use_pp": scheduler.use_pp,
+              "async_scheduling": scheduler.scheduler_config.async_scheduling}
+    if _SHAPE == WITH_RESUMED:
+        fields["use_v2_model_runner"] = scheduler.use_v2_model_runner
+        fields["prev_step_scheduled_req_ids"] = scheduler.prev_step_scheduled_req_ids
+    return {"shape": _SHAPE, "scheduler": fields,
+            **{name: list(value) if name in _REQUEST_LISTS else value
+               for name, value in arguments.items()}}
+
+
+def _requests_of(inputs: dict[str, Any]) -> list[Any]:
+    return [request for name in _REQUEST_LISTS for request in inputs.get(name, ())]
 
 
 def _result_outcome(data: Any, requests: list[Any]) -> tuple[Any, list[bool]]:
     """The ``CachedRequestData`` as plain data (``cached_request_state``), and
     per token list sent whether it is a request's own list (it must be a copy)."""
+    token_lists = _token_lists(data)
     own = {}
-    if data.all_token_ids:
+    if token_lists:
         own = {request.request_id: request._all_token_ids for request in requests}
     return (cached_request_state(data),
-            [ids is own.get(req_id) for req_id, ids in data.all_token_ids.items()])
+            [ids is own.get(req_id) for req_id, ids in token_lists.items()])
 
 
-def _outcome(inputs: dict[str, Any], result: Any, *args: Any) -> tuple[Any, list[bool]]:
-    return _result_outcome(result, inputs["running_reqs"] + inputs["resumed_reqs"])
+def _outcome(inputs: dict[str, Any], result: Any, *args: Any,
+             **kwargs: Any) -> tuple[Any, list[bool]]:
+    return _result_outcome(result, _requests_of(inputs))
 
 
 def _stand_in_requests(recorded: list[dict[str, Any]]) -> list[Any]:
@@ -235,28 +398,26 @@ def _stand_in_requests(recorded: list[dict[str, Any]]) -> list[Any]:
 
 
 def _run(function: Any, inputs: dict[str, Any]) -> tuple[Any, list[bool]]:
-    """``function`` on a stand-in scheduler of the four fields it reads and
-    the live requests and blocks (it only reads them), or on stand-ins
-    rebuilt from a reproducer."""
-    fields = inputs["scheduler"]
-    scheduler = SimpleNamespace(
-        use_pp=fields["use_pp"],
-        scheduler_config=SimpleNamespace(async_scheduling=fields["async_scheduling"]),
-        use_v2_model_runner=fields["use_v2_model_runner"],
-        prev_step_scheduled_req_ids=fields["prev_step_scheduled_req_ids"])
-    running, resumed, blocks = (inputs["running_reqs"], inputs["resumed_reqs"],
-                                inputs["req_to_new_blocks"])
+    """``function`` on a ``Scheduler`` carrying the fields it reads
+    (``scheduler_with``) and the live requests and blocks (it only reads
+    them), or on stand-ins rebuilt from a reproducer; called by keyword."""
+    scheduler = scheduler_with(inputs.get("shape", WITH_RESUMED),  # older reproducers
+                               inputs["scheduler"])
+    arguments = {name: value for name, value in inputs.items()
+                 if name not in ("shape", "scheduler", "reproducer")}
     if inputs.get("reproducer"):
         from vllm.v1.core.kv_cache_manager import KVCacheBlocks
         from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-        running, resumed = _stand_in_requests(running), _stand_in_requests(resumed)
-        blocks = {req_id: KVCacheBlocks(tuple([KVCacheBlock(block_id) for block_id in group]
-                                              for group in groups))
-                  for req_id, groups in blocks.items()}
-    data = function(scheduler, running, resumed, inputs["num_scheduled_tokens"],
-                    inputs["spec_decode_tokens"], blocks)
-    return _result_outcome(data, running + resumed)
+        for name in _REQUEST_LISTS:
+            if name in arguments:
+                arguments[name] = _stand_in_requests(arguments[name])
+        arguments["req_to_new_blocks"] = {
+            req_id: KVCacheBlocks(tuple([KVCacheBlock(block_id) for block_id in group]
+                                        for group in groups))
+            for req_id, groups in arguments["req_to_new_blocks"].items()}
+    data = function(scheduler, **arguments)
+    return _result_outcome(data, _requests_of(arguments))
 
 
 def _compare(ours: tuple[Any, list[bool]], stock: tuple[Any, list[bool]]) -> str | None:
@@ -270,7 +431,7 @@ def _compare(ours: tuple[Any, list[bool]], stock: tuple[Any, list[bool]]) -> str
 
 
 def _restore(inputs: dict[str, Any], stock: tuple[Any, list[bool]], result: Any,
-             *args: Any) -> Any:
+             *args: Any, **kwargs: Any) -> Any:
     """vLLM's ``CachedRequestData``, rebuilt from its outcome (its lists are
     vLLM's own: the outcome holds them)."""
     if _CACHED_REQUEST_DATA is None:
@@ -291,8 +452,7 @@ def _for_reproducer(inputs: dict[str, Any]) -> dict[str, Any]:
                 for request in requests]
 
     return {**inputs, "reproducer": True,
-            "running_reqs": recorded(inputs["running_reqs"]),
-            "resumed_reqs": recorded(inputs["resumed_reqs"]),
+            **{name: recorded(inputs[name]) for name in _REQUEST_LISTS if name in inputs},
             "req_to_new_blocks": {req_id: tuple([block.block_id for block in group]
                                                 for group in blocks.blocks)
                                   for req_id, blocks in inputs["req_to_new_blocks"].items()}}

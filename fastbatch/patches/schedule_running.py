@@ -12,13 +12,30 @@ loop then goes on from there, unchanged, for the rest (none, on a steady
 decode step).  Everything else in ``schedule`` (the waiting queue,
 preemption, the ``SchedulerOutput``) is vLLM's code as it stands.
 
+Releases: vLLM 0.32.0, 0.33.0 (``drafts_needed``) and 0.34.0 (the same loop
+as 0.33.0's; around it ``long_prefill_token_threshold`` also needs
+``enable_chunked_prefill``, and the waiting queue changed: vLLM's own code,
+compiled from the release's source).  What differs by release is decided
+when the patch binds: the loop's locals (from the source), the token store
+of ``Request._all_token_ids`` besides ``list`` (``token_store()``: 0.34.0's
+``TokenBuffer``, an ``array('i')``).
+
 A request the compiled loop follows: a plain ``Request`` without encoder
-inputs whose ``allocate_slots`` call fastbatch's ``allocate_slots`` plan takes
-(no block, or new blocks and caching that fit: never None, so never a
-preemption); the loop as a whole needs no EC connector and no Mamba-aligned
-split, and vLLM's profiling scopes off (``record_function_or_nullcontext``
-gives ``nullcontext``: with torch's or NVTX scopes on, vLLM's loop runs
-them all).  At the first request it cannot follow, vLLM's loop takes over.
+inputs, its token ids a ``list`` or the bound token store, whose
+``allocate_slots`` call fastbatch's ``allocate_slots`` plan takes (no block,
+or new blocks and caching that fit); the loop as a whole needs no EC
+connector and no Mamba-aligned split, and vLLM's profiling scopes off
+(``record_function_or_nullcontext`` gives ``nullcontext``: with torch's or
+NVTX scopes on, vLLM's loop runs them all).  At the first request it cannot
+follow, vLLM's loop takes over.  The manager's ``allocate_slots`` must be
+fastbatch's compiled method (its plan's call made directly), vLLM's own
+(fingerprint verified at bind: ``verified_allocate_slots()``) or fastbatch's
+``FASTBATCH_VERIFY`` check of the compiled one; what such a call returns is
+trusted, never the plan: a None (no slots; it changed nothing) hands the
+request to vLLM's loop, which asks again and stalls or preempts.  Any other
+``allocate_slots`` (a wrapper, a mock, another plugin) leaves the whole loop
+to vLLM's.  What vLLM's loop reads of the scheduler only on some paths is
+read only once the loop is sure to start (one missing: vLLM's loop).
 See ``fastbatch._reference.schedule_running`` for each condition.
 
 Why: with the other scheduler pieces on, this loop is most of what is left of
@@ -34,8 +51,8 @@ When it can go: if vLLM gives ``schedule()`` a decode fast path of its own
 (vllm #42131 is a Python one).
 
 Safety: see ``fastbatch.patches._patch``.  The guard pins ``schedule`` (its
-two verified variants: vLLM 0.32.0's loop, and 0.33.0's with
-``drafts_needed``), what the loop calls that the compiled loop reads or
+verified variants: vLLM 0.32.0's loop, 0.33.0's with ``drafts_needed``, and
+0.34.0's), what the loop calls that the compiled loop reads or
 computes instead (``_reserve_prefill_lookahead``, 0.33.0's
 ``_drafts_unused``, the getters of ``Request.num_tokens``,
 ``num_tokens_with_spec``, ``num_output_tokens``, ``has_encoder_inputs`` and
@@ -46,13 +63,18 @@ transform (``transformed``) finds the loop by its ``while`` line and checks
 that every local the added call passes is assigned before it.  The
 activation check confirms that every ``Request`` attribute the compiled
 loop reads through the instance dict (``REQUEST_READ``; it writes
-``spec_token_ids`` the same way) is a plain instance attribute, then runs
+``spec_token_ids`` the same way) is a plain instance attribute and that
+every scheduler attribute it reads (``SCHEDULER_READ``) is one vLLM's loop
+reads, then runs
 vLLM's own loop (extracted from the same source,
 ``vllm_running_loop``) and fastbatch's on small batches of real requests and
 a real KV-cache manager (decodes, async placeholders at ``max_tokens``, a
 prefill chunk, deferred prefills, spec drafts verified in part, new blocks,
 a request with encoder inputs, a budget that runs out) and compares the
-locals, the four containers, the requests and the KV-cache state.
+locals, the four containers, the requests and the KV-cache state; it
+passes only where the compiled loop itself scheduled requests of each batch
+(its ``requests`` counter moved), so a loop that would hand every request
+back to vLLM's is refused.
 
 Shadow check (``FASTBATCH_VERIFY``): inside ``schedule``, each checked call
 of the compiled loop is followed by vLLM's own loop (``vllm_running_loop``)
@@ -90,6 +112,10 @@ VERIFIED_FINGERPRINTS = {
     "6625adf8f31be3abc465e7a5d891cf9266445fa2e6dc45aa87a79918e185838f": "vLLM 0.32.0",
     "e772cd22747586cfa366bb0ac0d819d8829f391d3cb8fc353ea87bf4093ff044":
         "vLLM 0.33.0: drafts_needed",
+    "11d053fe9babdc52461c9ab0fb206daf3a7fbda084df692049587ab8386e9e35":
+        "vLLM 0.34.0: the running loop as 0.33.0's (a comment changed); around it "
+        "long_prefill_token_threshold also needs enable_chunked_prefill, async KV loads, "
+        "resumed requests sent as new ones",
 }
 COMPANION_FINGERPRINTS = {
     f"{MODULE}:Scheduler._reserve_prefill_lookahead": {
@@ -209,7 +235,9 @@ def vllm_running_loop(schedule: Any) -> Any:
 
 _SCHEDULE: Any = None  # vLLM's schedule with the call added (bind())
 _VLLM_LOOP: Any = None  # vLLM's loop alone (bind())
-_KINDS: tuple[Any, Any] | None = None
+# (Request, allocate_slots' compiled method, the token store of
+# Request._all_token_ids besides list, vLLM's verified allocate_slots) (bind())
+_KINDS: tuple[Any, Any, type, tuple[Any, ...]] | None = None
 _utils: Any = None  # vllm.v1.utils, for its profiling-scope switch
 _scheduler_module: Any = None
 
@@ -238,10 +266,41 @@ def _unchanged(loop_arguments: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(values[name] for name in LOOP_RESULTS)
 
 
+def token_store() -> type:
+    """The type of ``Request._all_token_ids`` besides ``list`` that the loop
+    reads: vLLM 0.34.0's ``TokenBuffer`` (an ``array('i')``) where vLLM has
+    one, else ``list`` (decided when the patch binds)."""
+    try:
+        from vllm.v1.token_buffer import TokenBuffer
+    except ImportError:
+        return list
+    return TokenBuffer
+
+
+def verified_allocate_slots() -> tuple[Any, ...]:
+    """vLLM's own ``KVCacheManager.allocate_slots`` (the original while
+    ``allocate_slots``' patch is applied, else the class's), where its
+    fingerprint is one ``allocate_slots``' guard verified: the method the
+    compiled loop may call as vLLM calls it (a None from it changes nothing,
+    so vLLM's loop can ask again).  Empty where the class holds anything
+    else (a wrapper, another plugin's method)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from fastbatch._fingerprint import fingerprint
+
+    stock = allocate_slots_patch.PATCH.original() or KVCacheManager.allocate_slots
+    try:
+        found = fingerprint(stock)
+    except (TypeError, OSError, SyntaxError, ValueError):
+        return ()
+    return (stock,) if found in allocate_slots_patch.VERIFIED_FINGERPRINTS else ()
+
+
 def bind(method: Any = None) -> None:
     """Build vLLM's ``schedule`` with the added call, and vLLM's loop alone,
     from ``method`` (by default vLLM's: the original while the patch is
-    applied, else the class's), and bind ``allocate_slots``' plan."""
+    applied, else the class's), and bind ``allocate_slots``' plan, the
+    release's token store and vLLM's verified ``allocate_slots``."""
     global _SCHEDULE, _VLLM_LOOP, _KINDS, _utils, _scheduler_module
     import vllm.v1.utils
     from vllm.v1.request import Request
@@ -251,7 +310,7 @@ def bind(method: Any = None) -> None:
     _utils, _scheduler_module = vllm.v1.utils, sys.modules[MODULE]
     _SCHEDULE = transformed(method, _schedule_running)
     _VLLM_LOOP = vllm_running_loop(method)
-    _KINDS = (Request, _allocate_piece.allocate_slots)
+    _KINDS = (Request, _allocate_piece.allocate_slots, token_store(), verified_allocate_slots())
     if not allocate_slots_patch.PATCH.is_applied():
         allocate_slots_patch.bind()
 
@@ -270,6 +329,12 @@ REQUEST_READ = ("num_output_placeholders", "num_computed_tokens", "num_prompt_to
                 "max_tokens", "next_decode_eligible_step", "is_prefill_chunk",
                 "_all_token_ids", "spec_token_ids", "mm_features", "_output_token_ids",
                 "request_id")
+# What the compiled loop reads of the scheduler: each one vLLM's loop reads
+# too (``self.<name>`` in its source: checked on activation), so that the
+# check's scheduler, built without ``__init__``, carries nothing vLLM dropped.
+SCHEDULER_READ = ("running", "ec_connector", "need_mamba_block_aligned_split",
+                  "current_step", "max_model_len", "num_sampled_tokens_per_step",
+                  "num_prefill_lookahead", "num_lookahead_tokens", "kv_cache_manager")
 
 
 def _request(request_id: str, prompt_len: int, num_output: int, num_computed: int,
@@ -384,12 +449,23 @@ def run_loops(function: Any, scheduler: Any, state: dict[str, Any], has_drafts: 
     return _loop_state(scheduler, locals_)
 
 
+def scheduler_reads(schedule: Any) -> set[str]:
+    """The scheduler attributes vLLM's running loop reads (``self.<name>``)."""
+    _tree, function, position, _filename = _function_tree(schedule)
+    return {node.attr for node in ast.walk(function.body[position])
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id == "self"}
+
+
 def activation_check(method: Any, replacement: Any) -> str | None:
     """Why fastbatch must stay off, or None: the source is not as expected,
     ``_drafts_unused`` (0.33.0) is not a verified variant, a scheduler class
-    overrides what the loop calls, or vLLM's loop and fastbatch's differ on
+    overrides what the loop calls, the compiled loop reads a scheduler
+    attribute vLLM's loop does not, or vLLM's loop and fastbatch's differ on
     small batches of real requests (see ``_BATCH``: lookahead 0 and 3,
-    prefill lookahead 0 and 2, prefills deferred, a budget that runs out)."""
+    prefill lookahead 0 and 2, prefills deferred, a budget that runs out),
+    or the compiled loop scheduled none of a batch's requests itself (it
+    would hand every request back to vLLM's loop)."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -407,6 +483,9 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     for name in ("_reserve_prefill_lookahead", "_drafts_unused"):
         if getattr(AsyncScheduler, name, None) is not getattr(Scheduler, name, None):
             return f"AsyncScheduler.{name} overrides Scheduler's"
+    unread = sorted(set(SCHEDULER_READ) - scheduler_reads(method))
+    if unread:
+        return f"vLLM's running loop reads no scheduler attribute {unread}"
     problem = instance_dict_problem(_request("check", 4, 0, 0), REQUEST_READ, ("spec_token_ids",))
     if problem is not None:
         return problem
@@ -416,6 +495,7 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     for lookahead, prefill_lookahead, budget, defer in ((0, 0, 400, False), (3, 2, 400, True),
                                                         (3, 0, 21, False)):
         states = []
+        taken = _taken()
         for function, allocate in ((None, stock_allocate),
                                    (fastbatch.schedule_running_requests,
                                     _allocate_piece.allocate_slots)):
@@ -424,11 +504,19 @@ def activation_check(method: Any, replacement: Any) -> str | None:
                                                 budget=budget, defer_prefills=defer)
             with contextlib.suppress(Exception):  # a real exception is a difference
                 states.append(run_loops(function, scheduler, state, has_drafts))
+        setting = (f"lookahead {lookahead}, prefill lookahead {prefill_lookahead}, budget "
+                   f"{budget}, defer prefills {defer}")
         if len(states) != 2 or states[0] != states[1]:
-            return (f"lookahead {lookahead}, prefill lookahead {prefill_lookahead}, budget "
-                    f"{budget}, defer prefills {defer}: fastbatch left {states[1:]}, vLLM "
-                    f"{states[:1]}")
+            return f"{setting}: fastbatch left {states[1:]}, vLLM {states[:1]}"
+        if _taken() == taken:
+            return (f"{setting}: the compiled loop scheduled no request itself (it handed "
+                    "every one to vLLM's loop)")
     return None
+
+
+def _taken() -> int:
+    """Requests the compiled loop (or its twin, where it is in use) scheduled."""
+    return fastbatch.stats()["schedule_running"]["requests"]
 
 
 # ---------------------------------------------------------------------------
@@ -460,11 +548,13 @@ def _checked(self: Any, loop_arguments: tuple[Any, ...]) -> tuple[Any, ...]:
     results = fastbatch.schedule_running_requests(self, *loop_arguments, _KINDS)
     ours_locals = dict(zip(LOOP_RESULTS, results, strict=True))
     stop = ours_locals["req_index"]
-    lookahead = self.num_lookahead_tokens
+    scheduled = arguments["scheduled_running_reqs"][len(before["scheduled_running_reqs"]):]
+    # Read only where the compiled loop scheduled a request (and so read it).
+    lookahead = self.num_lookahead_tokens if scheduled else None
     ours = _shadow_outcome(ours_locals, arguments, self.running[start:stop], [
         (request.request_id, arguments["num_scheduled_tokens"][request.request_id],
          {"num_lookahead_tokens": lookahead})
-        for request in arguments["scheduled_running_reqs"][len(before["scheduled_running_reqs"]):]])
+        for request in scheduled])
     stand_in = copy.copy(self)
     stand_in.running = [None] * start + copies[:stop - start]
     replay = _Replay(dict(arguments["req_to_new_blocks"]))

