@@ -20,7 +20,7 @@ from vllm.v1.worker.gpu_input_batch import InputBatch
 import fastbatch
 from batches import vllm_0_21_method
 from fastbatch import registry, vllm_plugin
-from fastbatch.patches import _runner_report
+from fastbatch.patches import _releases, _runner_report
 from fastbatch.patches import async_output_token_ids as patch
 from fastbatch.patches import async_spec_token_ids as spec_patch
 from fastbatch.patches import penalty_output_tokens as penalty_patch
@@ -402,10 +402,15 @@ def test_guard_refuses_a_changed_method(monkeypatch, logs):
     assert "not a verified variant" in warning and "FASTBATCH=force" in warning
 
 
+# The release after the newest one the release tool read: no patch accepts it.
+_NEWEST = max(_releases.PUBLISHED["vllm"], key=lambda v: tuple(map(int, v.split("."))))
+UNKNOWN_VERSION = f"{_NEWEST.split('.')[0]}.{int(_NEWEST.split('.')[1]) + 1}.0"
+
+
 def test_guard_refuses_an_unknown_version(monkeypatch, logs):
     import vllm
 
-    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    monkeypatch.setattr(vllm, "__version__", UNKNOWN_VERSION)
     monkeypatch.setenv("FASTBATCH", "1")
     vllm_plugin.register()
     assert _stock_everywhere()
@@ -413,7 +418,7 @@ def test_guard_refuses_an_unknown_version(monkeypatch, logs):
     # one per patch (the penalties' masking is not tried without its conversion),
     # and one for the runner report's hook
     assert len(warnings) == len([p for p in ALL_PATCHES if p.requires is None]) + 1
-    assert all("vLLM 0.34.0 is not a verified version" in w for w in warnings)
+    assert all(f"vLLM {UNKNOWN_VERSION} is not a verified version" in w for w in warnings)
 
 
 def test_guard_refuses_a_missing_method(monkeypatch, logs):
@@ -427,7 +432,7 @@ def test_guard_refuses_a_missing_method(monkeypatch, logs):
 def test_force_patches_an_unknown_version(monkeypatch, logs):
     import vllm
 
-    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    monkeypatch.setattr(vllm, "__version__", UNKNOWN_VERSION)
     monkeypatch.setenv("FASTBATCH", "force")
     vllm_plugin.register()
     assert InputBatch.update_async_output_token_ids is patch.update_async_output_token_ids
