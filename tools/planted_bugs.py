@@ -82,12 +82,12 @@ def _input_rows_reversed(result, req_ids, prev_positions, cu_num_tokens, spec, p
     return None
 
 
-def _after_schedule_counter_off(done, scheduler, output, *rest):
+def _after_schedule_counter_off(done, scheduler, output, *rest, **kwargs):
     if done and len(output.num_scheduled_tokens) > BIG_BATCH:
         scheduler.requests[next(iter(output.num_scheduled_tokens))].num_computed_tokens += 1
 
 
-def _cached_count_off(lists, running, resumed, *rest):
+def _cached_count_off(lists, running, resumed, *rest, **kwargs):
     if len(running) + len(resumed) > BIG_BATCH:
         lists[4][-1] += 1
 
@@ -113,7 +113,7 @@ def _first_draft_id_flipped(rows, buffer, num_reqs, num_spec_tokens):
         rows[0][0] ^= 1
 
 
-def _first_taken_token_off(result, scheduler, *rest):
+def _first_taken_token_off(result, scheduler, *rest, **kwargs):
     """The last token of the first request taken (a slot that is not a
     request id) made wrong in both of its token lists."""
     slots = () if result is None else result[0]
