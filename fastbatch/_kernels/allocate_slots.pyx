@@ -329,10 +329,9 @@ def allocate_slots_is_noop(manager, request, num_new_tokens, reserved_blocks, ki
                            num_lookahead_tokens=0):
     """True if vLLM's ``manager.allocate_slots(request, num_new_tokens,
     reserved_blocks=reserved_blocks, num_lookahead_tokens=num_lookahead_tokens)``
-    would return ``empty_kv_cache_blocks`` and change no state (see
-    ``fastbatch._reference.allocate_slots``).  ``num_lookahead_tokens`` must
-    be an exact int from 0 to 2**30 - 1, as vLLM's scheduler passes (else the
-    answer is False).
+    would return ``empty_kv_cache_blocks`` and change no state.
+    ``num_lookahead_tokens`` must be an exact int from 0 to 2**30 - 1, as
+    vLLM's scheduler passes (else the answer is False).
 
     ``kinds`` is ``(KVCacheManager, (coordinator types...),
     FullAttentionManager, BlockPool, Request, FullAttentionSpec,

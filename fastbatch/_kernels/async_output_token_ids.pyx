@@ -443,9 +443,8 @@ def update_async_output_token_ids(list req_ids not None,
     """Replace every request's trailing ``-1`` placeholders with its sampled ids.
 
     The batch-wide equivalent of vLLM's
-    ``InputBatch.update_async_output_token_ids`` (0.22 and later): see
-    ``fastbatch._reference`` for the rules in plain Python and the README for
-    the input contract.  Returns the number of requests whose list was updated.
+    ``InputBatch.update_async_output_token_ids`` (vLLM 0.22.0 to 0.33.0).
+    Returns the number of requests whose output list was updated.
     """
     global _calls, _syncs, _scratch_in_use
     cdef Py_ssize_t num_reqs = PyList_GET_SIZE(req_ids)

@@ -168,14 +168,16 @@ def update_async_spec_token_ids(list req_ids not None,
                                 dict prev_req_id_to_index not None,
                                 list spec_token_ids not None,
                                 list draft_token_ids not None):
-    """Replace each request's scheduled draft tokens with the real ones.
+    """vLLM's ``InputBatch.update_async_spec_token_ids`` loop, after its early
+    returns (vLLM 0.21.0 to 0.33.0).
 
-    The batch-wide equivalent of vLLM's ``InputBatch.update_async_spec_token_ids``
-    loop (after its early returns): for each request, in order, whose
-    ``spec_token_ids`` list is non-empty and whose id maps (through
-    ``prev_req_id_to_index``) to a non-empty row of ``draft_token_ids``, cut
-    that row to the request's length and copy it into the request's list.
-    Returns the number of requests updated.
+    For each request in order (``zip`` of ``req_ids`` and ``spec_token_ids``)
+    whose spec list is non-empty and whose id maps to a non-empty draft row:
+    ``del draft[len(spec):]`` and ``spec[:] = draft``.  Contract, checked
+    before any list changes: the three containers are lists and the dict a
+    dict; examined spec entries and draft rows are lists or ``None`` (skipped);
+    ``prev_index`` is an int in ``range(len(draft_token_ids))``.  Returns the
+    number of requests updated.
     """
     global _spec_calls, _spec_requests_updated
     cdef Py_ssize_t p, count = 0, updated

@@ -236,15 +236,15 @@ def append_sampled_token_ids(list req_ids not None, dict requests not None,
                              Py_ssize_t max_model_len):
     """Append this step's sampled tokens to each request's state.
 
-    The per-request loop of vLLM's ``GPUModelRunner._bookkeeping_sync``, for
-    requests ``0 .. num_sampled_tokens - 1``.  With ``valid_sampled_token_ids``
-    None (async scheduling) each request not in the set ``discarded`` gets one
-    placeholder ``-1``; otherwise request ``i`` gets the ints of the list
-    ``valid_sampled_token_ids[i]`` (skipped if empty).  For each: the tokens go
-    to ``token_ids_cpu[i, start:end]``, ``is_token_ids[i, start:end] = True``,
-    ``num_tokens_no_spec[i] = end`` (``start`` its old value) and
-    ``requests[req_ids[i]].output_token_ids`` is extended in place (the same
-    list object as the input batch's).
+    The per-request loop of vLLM's ``GPUModelRunner._bookkeeping_sync`` (vLLM
+    0.31.0 to 0.33.0), for requests ``0 .. num_sampled_tokens - 1``.  With
+    ``valid_sampled_token_ids`` None (async scheduling) each request not in the
+    set ``discarded`` gets one placeholder ``-1``; otherwise request ``i`` gets
+    the ints of the list ``valid_sampled_token_ids[i]`` (skipped if empty).
+    For each: the tokens go to ``token_ids_cpu[i, start:end]``,
+    ``is_token_ids[i, start:end] = True``, ``num_tokens_no_spec[i] = end``
+    (``start`` its old value) and ``requests[req_ids[i]].output_token_ids`` is
+    extended in place (the same list object as the input batch's).
 
     Everything is checked before anything changes; then a clear exception:
     AssertionError (vLLM's, ``end > max_model_len``), KeyError (no state for a

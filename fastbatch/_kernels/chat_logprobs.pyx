@@ -139,7 +139,7 @@ def create_chat_logprobs(object token_ids, object top_logprobs, object tokenizer
     """The ``ChatCompletionLogProbs`` of ``token_ids``.
 
     vLLM's ``OpenAIServingChat._create_chat_logprobs(token_ids, top_logprobs,
-    tokenizer, ...)`` (0.30.0 to 0.33.0), with the number of ``top_logprobs``
+    tokenizer, ...)`` (vLLM 0.30.0 on), with the number of ``top_logprobs``
     entries per position already worked out as ``limit`` (None: all, else an
     int >= 0: the first ``limit`` of the position's dict) and
     ``return_as_token_id`` as ``as_token_id``.  ``kinds`` is

@@ -141,14 +141,16 @@ def update(self, new_token_ids, stop_terminated):
 def update_detokenizer(detokenizer, list new_token_ids not None, stop_terminated,
                        check_stop_strings):
     """vLLM's ``BaseIncrementalDetokenizer.update(new_token_ids,
-    stop_terminated)`` for a ``FastIncrementalDetokenizer`` (whose
-    ``num_output_tokens()`` is ``len(token_ids)``): each new token appended to
-    ``token_ids`` and its text, ``detokenizer.decode_next(token_id)`` (vLLM's
-    own), to ``output_text``; the last one not decoded when
-    ``stop_terminated`` and the stop string is not kept; then, with stop
-    strings, vLLM's ``check_stop_strings`` (passed in) from the first token
-    past ``min_tokens``, and the tokens after the match dropped and the text
-    truncated as vLLM does.  Returns the stop string matched, or None.
+    stop_terminated)`` (vLLM 0.32.0 on) for a ``FastIncrementalDetokenizer``
+    (whose ``num_output_tokens()`` is ``len(token_ids)``): each new token
+    appended to ``token_ids`` and its text, ``detokenizer.decode_next(token_id)``
+    (vLLM's own), to ``output_text``, while the detokenizer does not hold the
+    text, so that CPython grows the string in place when nothing else holds it
+    either; the last one not decoded when ``stop_terminated`` and the stop
+    string is not kept; then, with stop strings, vLLM's ``check_stop_strings``
+    (passed in) from the first token past ``min_tokens``, and the tokens after
+    the match dropped and the text truncated as vLLM does.  Returns the stop
+    string matched, or None.
 
     Its attributes are read as attributes (not through ``__dict__``, which
     would turn the instance's inline values into a dict and slow vLLM's own

@@ -32,12 +32,12 @@ def reset_stats():
 
 
 def draft_token_lists(draft_token_ids, Py_ssize_t num_reqs, Py_ssize_t num_spec_tokens):
-    """``draft_token_ids[:num_reqs, :num_spec_tokens].tolist()``: vLLM's
-    draft-token lists.
+    """vLLM's ``draft_token_ids_cpu[:num_reqs, :num_spec_tokens].tolist()``
+    (``GPUModelRunner._get_draft_token_ids_cpu``), the counts ints >= 0.
 
     ``draft_token_ids`` is a 2-D int32 or int64 CPU tensor (or buffer); the
-    two counts are ints >= 0 and, as slicing does, are cut to the tensor's
-    size.  Returns a new list of plain lists of plain ints.
+    two counts are cut to the tensor's size, as slicing does.  Returns a new
+    list of plain lists of plain ints.
     """
     global _calls, _rows
     cdef SampledIds ids

@@ -43,14 +43,15 @@ def reset_stats():
 
 
 def sampled_token_lists(sampled_token_ids, invalid_req_indices=()):
-    """``sampled_token_ids.tolist()`` with the rows ``invalid_req_indices``
-    cleared: vLLM's sampled-token lists of a plain decode step.
+    """vLLM's ``sampled_token_ids_cpu.tolist()`` followed by
+    ``valid_sampled_token_ids[i].clear()`` for each ``i`` in
+    ``invalid_req_indices`` (``AsyncGPUModelRunnerOutput.get_output``, one id
+    per request); indices checked before the lists are built.
 
     ``sampled_token_ids`` is a 2-D int32 or int64 CPU tensor (or buffer);
     ``invalid_req_indices`` an iterable of row indices, read as a list's
     indexing reads them (negative from the end, out of range an IndexError).
-    Everything is checked before any list is built.  Returns a new list of
-    plain lists of plain ints.
+    Returns a new list of plain lists of plain ints.
     """
     global _calls, _rows
     cdef SampledIds ids

@@ -63,15 +63,16 @@ cdef int64_t _as_vocab_size(object vocab_size) except? -1:
 
 
 def rejection_output_lists(output_token_ids, vocab_size, discard_req_indices=()):
-    """Each row's ids that are not -1 and are below ``vocab_size``, rows
-    ``discard_req_indices`` empty: vLLM's token lists of ``parse_output``.
+    """The token lists of vLLM's ``RejectionSampler.parse_output``: per row,
+    the ids that are not -1 and are below ``vocab_size``, in order; the rows
+    ``discard_req_indices`` (read as numpy's fancy indexing reads a list of
+    ints or a 1-D integer array) empty.
 
     ``output_token_ids`` is a 2-D int32 or int64 CPU tensor (or buffer).
-    ``discard_req_indices`` is what numpy's fancy indexing reads as row
-    numbers: a list of ints, a 1-D integer array, or an empty sequence
-    (negative from the end, out of range an IndexError); anything else is a
-    TypeError.  Everything is checked before any list is built.  Returns a
-    new list of plain lists of plain ints.
+    ``discard_req_indices`` may also be an empty sequence (negative indices
+    from the end, out of range an IndexError); anything else is a TypeError.
+    Everything is checked before any list is built.  Returns a new list of
+    plain lists of plain ints.
     """
     global _calls, _rows, _tokens
     cdef SampledIds ids

@@ -153,14 +153,15 @@ cdef int _fill_rows(list output_token_ids, Py_ssize_t num_rows, int64_t* data,
 
 def output_tokens_tensor(list output_token_ids not None, vocab_size,
                          bint pin_memory=False):
-    """The penalties' padded ``[num_reqs, max_len]`` int64 CPU tensor.
+    """The int64 ``[num_reqs, max_len]`` CPU tensor of vLLM's penalties.
 
-    Exactly what vLLM's penalties compute from ``output_token_ids`` before
-    scattering them (``_convert_to_tensors`` and the ``masked_fill_`` of
-    ``apply_all_penalties``): row ``i`` holds request ``i``'s token ids with
-    every ``-1`` placeholder replaced by ``vocab_size``, padded with
-    ``vocab_size`` to the longest row.  Written straight into a new torch
-    tensor (pinned if ``pin_memory``), without vLLM's intermediate numpy array.
+    ``make_tensor_with_pad(output_token_ids, pad=vocab_size, dtype=int64)``
+    with every -1 replaced by ``vocab_size`` (``apply_all_penalties``'
+    ``masked_fill_``), pinned if ``pin_memory``.  Stricter than numpy: items
+    must be ints (or have ``__index__``); floats and strings raise TypeError.
+
+    Written straight into a new torch tensor, without vLLM's intermediate
+    numpy array.
     """
     global _torch_empty, _torch_int64
     cdef Py_ssize_t num_rows = PyList_GET_SIZE(output_token_ids)

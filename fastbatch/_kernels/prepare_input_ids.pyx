@@ -156,7 +156,11 @@ cdef void _fill(const CommonRequest* plans, Py_ssize_t count, int64_t* common,
 def prepare_input_ids_indices(list req_ids not None, prev_positions, cu_num_tokens,
                               dict scheduled_spec_tokens not None, prev_num_spec_tokens,
                               Py_ssize_t num_reqs):
-    """The index lists of vLLM's ``_prepare_input_ids`` loop, as int64 arrays.
+    """vLLM's ``GPUModelRunner._prepare_input_ids`` loop (0.31.0 to 0.33.0),
+    its lists returned as two new (2, n) int64 numpy arrays:
+    ``(common, spec, common_indices_match, max_flattened_index)`` with
+    ``common = [sample_flattened_indices, prev_indices]`` and
+    ``spec = [spec_flattened_indices, prev_draft_token_indices]``.
 
     For each of the first ``num_reqs`` requests whose ``prev_positions`` entry
     (int64) is >= 0 (a request of the previous step), in order, with
@@ -164,13 +168,8 @@ def prepare_input_ids_indices(list req_ids not None, prev_positions, cu_num_toke
     ``flattened = cu_num_tokens[i] - 1`` (int32 or int64): the sampled token's
     index ``flattened - draft_len``, the previous row, the draft tokens'
     indices ``flattened - draft_len + 1 .. flattened`` and their rows in the
-    flattened previous drafts ``prev_index * prev_num_spec_tokens + 0 ..``.
-
-    Returns ``(common, spec, common_indices_match, max_flattened_index)``:
-    ``common`` a new (2, n) int64 array (rows: vLLM's
-    ``sample_flattened_indices`` and ``prev_indices``), ``spec`` a new (2, t)
-    int64 array (``spec_flattened_indices``, ``prev_draft_token_indices``; t is
-    vLLM's ``total_num_spec_tokens``), and vLLM's two flags.  Nothing is
+    flattened previous drafts ``prev_index * prev_num_spec_tokens + 0 ..``
+    (``spec`` has vLLM's ``total_num_spec_tokens`` columns).  Nothing is
     allocated unless every request is valid.
     """
     global _numpy_empty, _numpy_int64

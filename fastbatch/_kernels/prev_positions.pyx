@@ -63,14 +63,14 @@ cdef int64_t _as_position(object req_id, PyObject* value) except? -1:
 
 def compute_prev_positions(list req_ids not None, dict prev_req_id_to_index not None,
                            prev_positions, Py_ssize_t num_reqs):
-    """Write each request's previous row, or -1, into ``prev_positions``.
+    """vLLM's ``GPUModelRunner._compute_prev_positions`` loop (0.21.0 to 0.33.0):
+    ``prev_positions[i] = prev_req_id_to_index.get(req_id, -1)`` for each
+    ``i, req_id`` of ``enumerate(req_ids[:num_reqs])``, written only once
+    every request is valid.  Returns the number of requests found in the map.
 
-    vLLM's loop ``for i, req_id in enumerate(req_ids[:num_reqs]):
-    prev_positions[i] = prev_req_id_to_index.get(req_id, -1)`` on the int64
-    array ``prev_positions`` (all of it: the first ``num_reqs`` entries are the
-    ones vLLM's slice covers).  Nothing is written unless every request is
-    valid: each value found is an int that fits in int64, and there is a slot
-    for every request.  Returns the number of requests found in the map.
+    ``prev_positions`` is an int64 array (all of it: the first ``num_reqs``
+    entries are the ones vLLM's slice covers).  Valid: each value found is an
+    int that fits in int64, and there is a slot for every request.
     """
     global _prev_positions_calls, _prev_positions_found
     cdef Py_buffer view

@@ -226,11 +226,20 @@ cdef object _last(object sequence):
 def process_output(object processor, object output, object engine_core_timestamp,
                    object iteration_stats, object weight_version, object request_outputs,
                    object reqs_to_abort, object outputs=None):
-    """One turn of vLLM's loop in ``OutputProcessor.process_outputs`` for
-    ``output``: True when done; False, with nothing changed, for an output
-    vLLM's own loop body must take (see the twin).  ``outputs``, the list
-    the loop runs over, only steers the prefetch of the request states of
-    the outputs ahead."""
+    """One turn of vLLM's loop in ``OutputProcessor.process_outputs`` (vLLM
+    0.32.0 on) for ``output``, when it is a generated (not pooling)
+    output of a known request in decode (not prefilling, no error, no
+    routed experts, no streaming input): True when done.  False, with
+    nothing read but the conditions and nothing changed, for every other
+    output: vLLM's own loop body then runs.  vLLM's calls, in vLLM's order,
+    except where vLLM's code is a known function of what it reads
+    (``_update_stats_from_output`` without stats, ``track_weight_version``,
+    ``num_output_tokens``, ``LogprobsProcessor.update_from_output``, and
+    ``make_request_output`` for an unfinished ``FINAL_ONLY`` request).
+    ``outputs``, the list the loop runs over, only steers the compiled
+    piece's prefetch of the request states of the outputs ahead (the twin
+    ignores it).
+    """
     global _calls, _handled, _finished
     if not _bound:
         raise RuntimeError("fastbatch's process_output is not bound to vLLM's classes "

@@ -45,9 +45,11 @@ def schedule_running_requests(scheduler, req_index, token_budget, input_budget, 
     """vLLM's running-request loop from ``req_index`` for the requests it can
     take; ``(req_index, token_budget, input_budget, prefill_scheduled,
     drafts_needed)`` as the loop leaves them (``drafts_needed`` None: vLLM
-    0.32.0's loop, which has none).  ``kinds``: ``(Request, the compiled
-    allocate_slots, the type of Request._all_token_ids besides list,
-    the allocate_slots functions whose None changes nothing)``."""
+    0.32.0's loop, which has none).  ``kinds``: ``(Request, the
+    allocate_slots piece's method, the type of Request._all_token_ids
+    besides list, the allocate_slots functions whose None changes
+    nothing)``.
+    """
     global _requests, _skipped, _handed_over
     cdef Py_ssize_t index, budget, inputs, slots, threshold, current_step, max_model_len
     cdef Py_ssize_t sampled_per_step, prefill_lookahead, placeholders, computed

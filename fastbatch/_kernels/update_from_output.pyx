@@ -426,10 +426,11 @@ cdef int _classify(dict attrs, object tokens, object drafts, Py_ssize_t num_sche
 
 def take_decode_outputs(scheduler, scheduler_output, model_runner_output, tuple kinds,
                         int variant, bint drafts=False, accept=None, list refused=None):
-    """Take the plain decodes of one ``update_from_output`` call (see the twin);
-    with ``drafts``, also those with scheduled drafts; with ``accept`` (vLLM's
-    ``StructuredOutputManager.accept_tokens``), also those with a grammar and
-    no drafts (the id of each whose tokens it refuses goes to ``refused``).
+    """Take the plain decodes of one ``update_from_output`` call; with
+    ``drafts``, also those with scheduled drafts (spec decoding); with
+    ``accept`` (vLLM's ``StructuredOutputManager.accept_tokens``), also those
+    with a grammar and no drafts (the id of each whose tokens it refuses goes
+    to ``refused``).
 
     Returns ``None`` (nothing taken, nothing changed) or ``(slots, rest)``:
     ``slots`` has, in scheduling order, the ``EngineCoreOutput`` of each

@@ -399,7 +399,7 @@ def update_sample_logprobs(processor, logprobs_lists, dict texts not None, conve
     and their sampled logprobs to ``processor.cumulative_logprob``.
 
     vLLM's ``LogprobsProcessor._update_sample_logprobs(logprobs_lists)``
-    (0.32.0 to 0.33.0) on the processor's instance dict.  ``logprobs_lists``
+    (vLLM 0.32.0 on) on the processor's instance dict.  ``logprobs_lists``
     is its ``(token ids [P, K], logprobs [P, K], sampled ranks [P], _)``;
     ``texts`` maps token ids to their text for the processor's tokenizer
     (filled here from ``convert(tokenizer, [id])``, vLLM's
@@ -409,12 +409,15 @@ def update_sample_logprobs(processor, logprobs_lists, dict texts not None, conve
     own ``_correct_decoded_token``, as vLLM's ``_verify_tokens`` does, for every
     entry kept (vLLM also corrects the columns beyond a request's
     ``num_logprobs + 1`` that it then drops, and in a dict a sampled token's
-    own entry where a later column repeats it and replaces its text).
+    own entry where a later column repeats it and replaces its text).  The
+    entries, zipped with the ranks ``(rank, 1..num_logprobs)``, are appended
+    as a dict of ``Logprob`` or to the ``FlatLogprobs``.
 
     Anything this call cannot take as vLLM would (another container or
     dtype, no column, a non-float cumulative logprob...) is a TypeError or
-    ValueError, raised before anything is written.  Returns the number of
-    positions appended.
+    ValueError, raised before anything is written; every text is found
+    before anything is written too.  Returns the number of positions
+    appended.
     """
     global _calls, _positions, _corrected
     if len(kinds) != 2:

@@ -61,8 +61,10 @@ def update_async_output_token_ids(
     sampled_token_ids: Any,
     copy_ready: Any = None,
 ) -> int:
-    """Replace every request's trailing -1 placeholders with its sampled ids.
+    """Replace every request's trailing ``-1`` placeholders with its sampled ids.
 
+    The batch-wide equivalent of vLLM's
+    ``InputBatch.update_async_output_token_ids`` (vLLM 0.22.0 to 0.33.0).
     Returns the number of requests whose output list was updated.
     """
     check_types(req_ids=(req_ids, list), prev_req_id_to_index=(prev_req_id_to_index, dict),

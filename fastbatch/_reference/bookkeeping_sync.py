@@ -48,11 +48,23 @@ def append_sampled_token_ids(
     is_token_ids: Any,
     max_model_len: int,
 ) -> int:
-    """The per-request loop of vLLM's ``GPUModelRunner._bookkeeping_sync``
-    (vLLM 0.31.0 to 0.33.0), see the compiled piece for the contract.
+    """Append this step's sampled tokens to each request's state.
 
-    Checked before anything changes: then AssertionError (vLLM's,
-    ``end > max_model_len``), KeyError, IndexError, TypeError, OverflowError.
+    The per-request loop of vLLM's ``GPUModelRunner._bookkeeping_sync`` (vLLM
+    0.31.0 to 0.33.0), for requests ``0 .. num_sampled_tokens - 1``.  With
+    ``valid_sampled_token_ids`` None (async scheduling) each request not in the
+    set ``discarded`` gets one placeholder ``-1``; otherwise request ``i`` gets
+    the ints of the list ``valid_sampled_token_ids[i]`` (skipped if empty).
+    For each: the tokens go to ``token_ids_cpu[i, start:end]``,
+    ``is_token_ids[i, start:end] = True``, ``num_tokens_no_spec[i] = end``
+    (``start`` its old value) and ``requests[req_ids[i]].output_token_ids`` is
+    extended in place (the same list object as the input batch's).
+
+    Everything is checked before anything changes; then a clear exception:
+    AssertionError (vLLM's, ``end > max_model_len``), KeyError (no state for a
+    request), IndexError, TypeError (not lists/ints, arrays that are not the
+    batch's int32/bool arrays), OverflowError (a token id beyond int32).
+    Returns the number of requests updated.
     """
     num_sampled_tokens, max_model_len = (operator.index(num_sampled_tokens),
                                          operator.index(max_model_len))

@@ -69,7 +69,22 @@ def _utf8(text: str) -> list[int]:
 
 def create_chat_logprobs(token_ids: Any, top_logprobs: Any, tokenizer: Any, limit: Any,
                          as_token_id: bool, kinds: tuple[type, type, type]) -> Any:
-    """The ``ChatCompletionLogProbs`` of ``token_ids`` (see the compiled piece)."""
+    """The ``ChatCompletionLogProbs`` of ``token_ids``.
+
+    vLLM's ``OpenAIServingChat._create_chat_logprobs(token_ids, top_logprobs,
+    tokenizer, ...)`` (vLLM 0.30.0 on), with the number of ``top_logprobs``
+    entries per position already worked out as ``limit`` (None: all, else an
+    int >= 0: the first ``limit`` of the position's dict) and
+    ``return_as_token_id`` as ``as_token_id``.  ``kinds`` is
+    ``(ChatCompletionLogProb, ChatCompletionLogProbsContent,
+    ChatCompletionLogProbs)``.
+
+    ``token_ids`` must be a list or tuple of ints, each item of
+    ``top_logprobs`` (``top_logprobs[i]``) None or a dict of ``Logprob``;
+    texts must be exact strs and logprobs exact floats.  Anything else is a
+    TypeError (a position with no entry and no tokenizer: a ValueError);
+    nothing outside the returned objects is written.
+    """
     if kinds is None:
         raise TypeError("kinds must be a tuple, got NoneType")
     if len(kinds) != 3:

@@ -58,11 +58,28 @@ def update(self: Any, new_token_ids: list[int], stop_terminated: bool) -> str | 
 def update_detokenizer(detokenizer: Any, new_token_ids: list[int], stop_terminated: bool,
                        check_stop_strings: Callable[..., tuple[str, int] | None]
                        ) -> str | None:
-    """vLLM's ``BaseIncrementalDetokenizer.update`` (0.30.0 to 0.33.0) for a
-    ``FastIncrementalDetokenizer``, its attributes read (as attributes, not
-    through ``__dict__``) before anything is written; each token's text
-    appended to the text while the detokenizer does not hold it, so that
-    CPython grows the string in place when nothing else holds it either."""
+    """vLLM's ``BaseIncrementalDetokenizer.update(new_token_ids,
+    stop_terminated)`` (vLLM 0.32.0 on) for a ``FastIncrementalDetokenizer``
+    (whose ``num_output_tokens()`` is ``len(token_ids)``): each new token
+    appended to ``token_ids`` and its text, ``detokenizer.decode_next(token_id)``
+    (vLLM's own), to ``output_text``, while the detokenizer does not hold the
+    text, so that CPython grows the string in place when nothing else holds it
+    either; the last one not decoded when ``stop_terminated`` and the stop
+    string is not kept; then, with stop strings, vLLM's ``check_stop_strings``
+    (passed in) from the first token past ``min_tokens``, and the tokens after
+    the match dropped and the text truncated as vLLM does.  Returns the stop
+    string matched, or None.
+
+    Its attributes are read as attributes (not through ``__dict__``, which
+    would turn the instance's inline values into a dict and slow vLLM's own
+    accesses to them), all before anything is written: ``token_ids``,
+    ``output_text`` and ``stop``; with stop strings or ``stop_terminated``,
+    ``include_stop_str_in_output``; with stop strings, ``min_tokens`` (where
+    vLLM's method reads them).  AttributeError naming a missing one.  An
+    exception from ``decode_next`` or ``check_stop_strings`` propagates with
+    the detokenizer as vLLM's method leaves it (the token appended, the text
+    up to the one before).
+    """
     if not isinstance(new_token_ids, list):
         raise TypeError(f"new_token_ids must be a list, got {type(new_token_ids).__name__}")
     token_ids = detokenizer.token_ids

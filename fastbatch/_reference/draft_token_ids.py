@@ -21,7 +21,8 @@ _stats = _counters.values
 def draft_token_lists(draft_token_ids: Any, num_reqs: int,
                       num_spec_tokens: int) -> list[list[int]]:
     """vLLM's ``draft_token_ids_cpu[:num_reqs, :num_spec_tokens].tolist()``
-    (``GPUModelRunner._get_draft_token_ids_cpu``), the counts ints >= 0."""
+    (``GPUModelRunner._get_draft_token_ids_cpu``), the counts ints >= 0.
+    """
     num_reqs, num_spec_tokens = operator.index(num_reqs), operator.index(num_spec_tokens)
     if num_reqs < 0 or num_spec_tokens < 0:
         raise ValueError(f"num_reqs and num_spec_tokens must be >= 0, got "

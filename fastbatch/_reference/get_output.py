@@ -23,7 +23,8 @@ def sampled_token_lists(sampled_token_ids: Any,
     """vLLM's ``sampled_token_ids_cpu.tolist()`` followed by
     ``valid_sampled_token_ids[i].clear()`` for each ``i`` in
     ``invalid_req_indices`` (``AsyncGPUModelRunnerOutput.get_output``, one id
-    per request); indices checked before the lists are built."""
+    per request); indices checked before the lists are built.
+    """
     num_rows, _, read_rows = checked_ids(sampled_token_ids, "sampled_token_ids")
     cleared = flagged_rows(invalid_req_indices, num_rows, "invalid_req_indices", False)
     rows = read_rows()

@@ -26,7 +26,8 @@ def rejection_output_lists(output_token_ids: Any, vocab_size: SupportsIndex,
     """The token lists of vLLM's ``RejectionSampler.parse_output``: per row,
     the ids that are not -1 and are below ``vocab_size``, in order; the rows
     ``discard_req_indices`` (read as numpy's fancy indexing reads a list of
-    ints or a 1-D integer array) empty."""
+    ints or a 1-D integer array) empty.
+    """
     try:
         bound = operator.index(vocab_size)
     except TypeError:

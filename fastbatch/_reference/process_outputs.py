@@ -65,7 +65,7 @@ def process_output(processor: Any, output: Any, engine_core_timestamp: Any,
                    iteration_stats: Any, weight_version: Any, request_outputs: list[Any],
                    reqs_to_abort: list[Any], outputs: Any = None) -> bool:
     """One turn of vLLM's loop in ``OutputProcessor.process_outputs`` (vLLM
-    0.32.0 to 0.33.0) for ``output``, when it is a generated (not pooling)
+    0.32.0 on) for ``output``, when it is a generated (not pooling)
     output of a known request in decode (not prefilling, no error, no
     routed experts, no streaming input): True when done.  False, with
     nothing read but the conditions and nothing changed, for every other
@@ -75,7 +75,9 @@ def process_output(processor: Any, output: Any, engine_core_timestamp: Any,
     ``num_output_tokens``, ``LogprobsProcessor.update_from_output``, and
     ``make_request_output`` for an unfinished ``FINAL_ONLY`` request).
     ``outputs``, the list the loop runs over, only steers the compiled
-    piece's prefetch: nothing here."""
+    piece's prefetch of the request states of the outputs ahead (the twin
+    ignores it).
+    """
     if _BOUND is None:
         raise RuntimeError("fastbatch's process_output is not bound to vLLM's classes "
                            "(fastbatch.patches.process_outputs.bind() does it)")

@@ -100,7 +100,8 @@ def schedule_running_requests(scheduler: Any, req_index: Any, token_budget: Any,
     0.32.0's loop, which has none).  ``kinds``: ``(Request, the
     allocate_slots piece's method, the type of Request._all_token_ids
     besides list, the allocate_slots functions whose None changes
-    nothing)``."""
+    nothing)``.
+    """
     unchanged = (req_index, token_budget, input_budget, prefill_scheduled, drafts_needed)
     if type(kinds) is not tuple or len(kinds) != 4:
         raise TypeError("kinds must be a tuple (Request, allocate_slots, token store type, "

@@ -316,6 +316,9 @@ def take_decode_outputs(scheduler: Any, scheduler_output: Any, model_runner_outp
     ``slots`` has, in scheduling order, the ``EngineCoreOutput`` of each
     request taken and the request id of each request left; ``rest`` maps the
     ids left to their scheduled token counts, for vLLM's own loop.
+
+    ``variant`` 3 (vLLM 0.34) finds each request's row by its position in
+    ``model_runner_output.req_ids``; the others by ``req_id_to_index``.
     """
     if accept is not None and (not callable(accept) or type(refused) is not list):
         raise TypeError("accept must be callable and come with a refused list")

@@ -136,14 +136,29 @@ def update(self: Any, logprobs_lists: Any) -> None:
 
 def update_sample_logprobs(processor: Any, logprobs_lists: Any, texts: dict[int, str],
                            convert: Any, kinds: tuple[type, type], correct: Any = None) -> int:
-    """vLLM's ``LogprobsProcessor._update_sample_logprobs`` (0.32.0 to 0.33.0):
-    for each position, every entry's text (the table's, or ``convert``'s; one
-    ending in U+FFFD corrected with the sampled context by
-    ``correct(processor, token, context)``, or without it by the processor's
-    ``_correct_decoded_token``), the sampled logprob added to the cumulative
-    one, and the entries zipped with the ranks ``(rank, 1..num_logprobs)``
-    appended as a dict of ``Logprob`` or to the ``FlatLogprobs``.  Everything
-    is checked and every text found before anything is written.
+    """Append the positions of ``logprobs_lists`` to ``processor.logprobs``
+    and their sampled logprobs to ``processor.cumulative_logprob``.
+
+    vLLM's ``LogprobsProcessor._update_sample_logprobs(logprobs_lists)``
+    (vLLM 0.32.0 on) on the processor's instance dict.  ``logprobs_lists``
+    is its ``(token ids [P, K], logprobs [P, K], sampled ranks [P], _)``;
+    ``texts`` maps token ids to their text for the processor's tokenizer
+    (filled here from ``convert(tokenizer, [id])``, vLLM's
+    ``convert_ids_list_to_tokens``; unused without a tokenizer); ``kinds`` is
+    ``(Logprob, FlatLogprobs)``.  A text that ends in U+FFFD is replaced by
+    ``correct(processor, token, context)``, or without it the processor's
+    own ``_correct_decoded_token``, as vLLM's ``_verify_tokens`` does, for every
+    entry kept (vLLM also corrects the columns beyond a request's
+    ``num_logprobs + 1`` that it then drops, and in a dict a sampled token's
+    own entry where a later column repeats it and replaces its text).  The
+    entries, zipped with the ranks ``(rank, 1..num_logprobs)``, are appended
+    as a dict of ``Logprob`` or to the ``FlatLogprobs``.
+
+    Anything this call cannot take as vLLM would (another container or
+    dtype, no column, a non-float cumulative logprob...) is a TypeError or
+    ValueError, raised before anything is written; every text is found
+    before anything is written too.  Returns the number of positions
+    appended.
     """
     if not isinstance(texts, dict):
         raise TypeError(f"texts must be a dict, got {type(texts).__name__}")
