@@ -2,71 +2,21 @@
 
 What is replaced: the method that ends every ``Scheduler.schedule()`` call
 (vllm/v1/core/sched/scheduler.py), and its async-scheduling override
-(async_scheduler.py), which calls it and then loops over the batch again.
-On vLLM 0.31.0 to 0.34.0, each becomes vLLM's method with its per-request
-loop, or for the async one both loops, done by one compiled call
-(``fastbatch.update_after_schedule``): advance
-``num_computed_tokens``/``num_in_flight_tokens``, set ``is_prefill_chunk``,
-the structured-output flags, leave ``_inflight_prefills``, and under async
-scheduling add the output placeholders, hand every decoding request the
-step's one spec-token placeholder list and set its
-``next_decode_eligible_step``.  The rest of each method (clearing
-``finished_req_ids`` and ``reset_preempted_req_ids``; up to 0.33.0 keeping
-the list as ``_spec_token_placeholders``) stays as vLLM wrote it.  A batch
-that holds anything but plain requests and the flags vLLM keeps (the kernel
-checks before it changes anything) runs vLLM's method, unchanged.
+(async_scheduler.py), which calls it and then loops over the batch again. Each
+becomes vLLM's method with its loops done by one compiled call
+(``fastbatch.update_after_schedule``). vLLM 0.31.0 to 0.34.0.
 
-What differs by release is read once, when the patch binds, from the async
-method's fingerprint (``ASYNC_VARIANTS``; for code the guard does not know,
-under ``FASTBATCH=force``, from the names the method reads): up to vLLM
-0.33.0 the async method keeps the list on the scheduler and sets the
-eligible step only when ``self.use_v2_model_runner``; on 0.34.0 the list is
-a local, the step is set for every decoding request, and the scheduler has
-no ``use_v2_model_runner``.  A request's tokens are a list up to 0.33.0 and
-a ``TokenBuffer`` (an ``array('i')``) on 0.34.0: only their count is read.
+Guard: both methods' fingerprints and the ``Request`` properties read; the
+activation check on small real requests, the compiled call taking every one; a
+shadow on each patch.
 
-Why: two Python loops over every scheduled request per step, reading
-``Request`` properties; at 1024 running requests 0.38 s + 0.66 s of the
-6.2 s cProfile of ``schedule`` (issue 12).
+When it can go: if vLLM keeps these per-request counters in arrays, or folds
+the two loops into one.
 
-The scheduler is the same code under Model Runner V1 and V2 (it runs in
-EngineCore, not in the worker), so this piece acts under both runners.
+Upstream: none found in vLLM's issues and PRs for this method; the nearest is
+vllm-project/vllm#42131 (an open decode fast path for the scheduler).
 
-When it can go: if vLLM keeps these per-request counters in arrays, or
-folds the two loops into one.
-
-Safety: see ``fastbatch.patches._patch``.  The guard pins both methods (the
-async one's replacement also stands in for the base method it calls) and the
-``Request`` properties the compiled pass reads directly (``num_tokens``,
-``use_structured_output``).  The activation check runs stock and fastbatch
-side by side on small real ``Request`` objects and real ``SchedulerOutput``
-objects, for both classes, with and without deferred block freeing, spec
-tokens, structured output and (where the release has it) the Model Runner V2
-flag, after confirming that every request attribute the compiled call reads
-or writes through the instance dict is a plain instance attribute
-(``instance_dict_problem``).  Its schedulers are vLLM's classes built
-without ``__init__`` and given only attributes that the release's
-``__init__`` sets (``scheduler_attributes``; anything else is a refusal).
-It passes only if the compiled call itself took every request of each batch
-(its ``stats()`` counter): a kernel that hands the batch back to vLLM is a
-refusal.
-
-Shadow check (``FASTBATCH_VERIFY``, one on each patch): before the call each
-scheduled request's fields that the methods read and write are copied (its
-token store is shared: only its length is read), with the scheduler's and the
-scheduler output's fields (those the release's objects have), the ids in
-``_inflight_prefills`` and the two id sets the method replaces.  vLLM's
-method runs on stand-ins built from the copy (real ``Request``/scheduler
-classes built without ``__init__``; while vLLM's async method runs there,
-``Scheduler`` holds vLLM's own base method for its ``super()`` call).
-Compared: every written field of each scheduled request (value and type),
-which spec-token list each holds (the scheduler's placeholder list, the one
-it had, or a new one shared with which other requests), the in-flight
-prefills, the new id sets (and that the old set objects, which the scheduler
-output holds, keep their content), the scheduler's placeholder list where
-the release keeps one, and the output's two flags.  On a divergence vLLM's
-values are put in the live requests, the same in-flight set object, the
-scheduler and the output.
+Story and numbers: ``docs/pieces/after_schedule.md``.
 """
 
 from __future__ import annotations

@@ -1,82 +1,23 @@
 """Patch: ``vllm.v1.core.kv_cache_manager.KVCacheManager.allocate_slots``.
 
 What is replaced: the KV-cache manager's slot allocation, which the scheduler
-calls once per running request per step (``Scheduler.schedule``), and once
-per newly admitted request.  The replacement is one compiled function
-(``fastbatch._kernels.allocate_slots.allocate_slots``, bound on the class as
-the method itself, vLLM's signature and defaults) for a RUNNING request's
-decode call: one full-attention KV group, every other argument at its
-default (``num_lookahead_tokens`` aside: any int >= 0).  It answers at once,
-with vLLM's own ``empty_kv_cache_blocks``, when it finds that vLLM's method
-would return exactly that and change nothing (the decision of
-``fastbatch.allocate_slots_is_noop``): no new block needed for the new tokens
-and the lookahead slots, nothing new to cache.  That is the plain decode
-step, 15 steps out of 16 with blocks of 16 tokens, and with spec decoding
-the step whose new tokens (the last sampled one and the drafts to verify)
-and lookahead slots fit in the blocks already held and whose committed
-tokens complete no block.  Where the same decode call needs new blocks or
-completes a block to cache, it plans it: the coordinator's
-``allocate_new_blocks`` and ``cache_blocks``, the only calls of vLLM's
-method that act there, with vLLM's arguments, and ``create_kv_cache_blocks``.
-Every other call runs vLLM's method, unchanged, with the same arguments.
-The method is the same on vLLM 0.32.0 to 0.34.0, and so is every function on
-the path it stands in for (the companions below).  0.34.0 changed code around
-it that the fast path neither reads nor reproduces: the block pool's prefix
-cache map (block ids, duplicates in ``_dup_ids``), ``KVCacheBlock``'s hash
-fields and weak ``pool``, ``req_to_blocks``' lists (``untracked_list``: still
-plain lists), the block hasher (``token_slice``) and the request's token
-store (a ``TokenBuffer``, an ``array('i')``: the compiled call takes only its
-length, as the pinned ``Request.num_tokens`` does).  Those are reached only
-through vLLM's own coordinator, on the calls the fast path plans.
+calls once per running request per step (``Scheduler.schedule``), and once per
+newly admitted request. One compiled method answers or plans a RUNNING
+request's decode call; every other call runs vLLM's method. vLLM 0.32.0 to
+0.34.0.
 
-Why: in a decode step stock walks the manager, the coordinator and the
-single-type manager (remove skipped blocks, count blocks to allocate,
-allocate none, cache none, build the result) to conclude that nothing
-changes; at 1024 running requests that is the largest single cost of the
-scheduler step (cProfile: 3.3 s of 6.2 s in ``schedule``).
-
-The scheduler is the same code under Model Runner V1 and V2 (it runs in
-EngineCore, not in the worker), so this piece acts under both runners.
+Guard: the fingerprints of the method and of every function on the path the
+fast answer stands in for (the companions); the activation check runs two
+small real KV-cache managers and must see the compiled calls answer and plan;
+the shadow checks each answered or planned call.
 
 When it can go: if vLLM gives ``allocate_slots`` its own fast path for a
 running request's decode call.
 
-Safety: see ``fastbatch.patches._patch``.  The guard pins the target and
-every vLLM function on the path the fast answer stands in for (the
-coordinator's and the single-type manager's allocation, block counting,
-skipped-block removal and caching, ``replay_boundaries``, the block pool's
-free count, ``Request.num_tokens`` and the full-attention spec's
-``prefix_cacheable``, whose results the compiled call reads straight from
-the fields they return); the activation check also refuses when the coordinator or the
-full-attention manager class overrides any of those, and runs stock and
-fastbatch side by side on two small real KV-cache managers (prefix caching
-on and off, across block boundaries, plain decode steps and spec decode
-steps with drafts and lookahead slots), and it fails unless the piece
-in use itself took calls there: its counters of answered calls (plain and
-with lookahead slots) and of planned ones must move, so a kernel that hands
-every call back to vLLM's method (a class it no longer recognises, say) is
-refused, not installed as a slower stock.
+Upstream: vllm-project/vllm#29206 (an early return in ``allocate_slots``,
+closed unmerged).
 
-Shadow check (``FASTBATCH_VERIFY``): only the calls that fastbatch answers
-or plans itself are checked (``Shadow.check``: the pieces' ``stock_allocations``
-counter did not move, so vLLM's method was not called); a call handed to
-vLLM's method has nothing to check, and vLLM's method is not run twice.
-A planned call (the ``direct_allocations`` counter moved) is checked against
-vLLM's method on a small manager and request rebuilt as they were before it
-(``_rebuild(small=True)``), compared by counts (``_Answer(by_count=True)``);
-on a divergence there the planned allocation stands, the call returns it,
-and the piece goes stock from the next call.
-Nothing is copied: on the "nothing to allocate" answer vLLM's method changes
-nothing, so it runs right after, on the same live manager and request, and
-that is the check.  Compared: what each returned (``empty_kv_cache_blocks``,
-None, or new block ids) and what each changed (per KV-cache group the
-request's block ids, cached block count and pending partial hit; the free
-block count).  On a divergence vLLM's method has already acted in place: its
-allocation stands and the call returns what it returned.  The reproducer
-holds what a one-group manager and the request are rebuilt from (``_rebuild``:
-the KV-cache config and the manager's sizes, the request's tokens, counters
-and status, its block count, cached blocks and the free count before the
-call, the call's arguments); ``replay`` runs each side on a fresh rebuild.
+Story and numbers: ``docs/pieces/allocate_slots.md``.
 """
 
 from __future__ import annotations

@@ -2,26 +2,19 @@
 
 What is replaced: the method that, under async scheduling, swaps each
 request's trailing -1 placeholders for the token ids sampled one step earlier.
-vLLM runs it every decode step, from ``GPUModelRunner._sample``, whenever
-sampling needs the output history (penalties, bad words, logits processors
-that read output ids, thinking budgets).
+One compiled call (``fastbatch.update_async_output_token_ids``) does the loop.
+vLLM 0.22.0 to 0.33.0 (the V1 runner).
 
-Why: it is a per-request Python loop (plus a ``.tolist()`` of the whole
-sampled tensor) on the CPU critical path; fastbatch does the same work in one
-compiled call (``fastbatch._kernels.async_output_token_ids``), with exactly the same results.
+Guard: the method's fingerprint; the activation check on synthetic batches;
+the shadow runs vLLM's method on a copy of each list's tail.
 
-When it can go: when vLLM no longer calls this method on the hot path, i.e.
-once the V1 runner is retired in favour of Model Runner V2 (which keeps this
-state on the GPU), or if vLLM moves the loop into compiled code.
+When it can go: when fastbatch no longer supports a vLLM with Model Runner V1
+(0.33.0 is the last), or if vLLM moves the loop into compiled code.
 
-Shadow check (``FASTBATCH_VERIFY``): vLLM's method runs on a copy of each
-list's tail: the trailing placeholders and the item before them, all that
-vLLM's loop reads or writes of a list (it scans back from the end and stops
-at the first non-placeholder).  Copying whole lists would cost more than
-vLLM's method itself at long outputs.  The tails and lengths are compared;
-on a divergence vLLM's tails are written back into the same list objects
-(they are the requests' ``CachedRequestState.output_token_ids``).  The items
-before a tail are not compared.
+Upstream: vllm-project/vllm#41286 (the migration to Model Runner V2); vLLM
+0.34.0 removed Model Runner V1, so nothing is left to propose upstream.
+
+Story and numbers: ``docs/pieces/async_output_token_ids.md``.
 """
 
 from __future__ import annotations

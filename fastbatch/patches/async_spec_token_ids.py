@@ -2,23 +2,20 @@
 
 What is replaced: the method that, with speculative decoding under async
 scheduling, swaps each request's scheduled draft tokens (placeholders in
-``sampling_metadata.spec_token_ids``) for the real draft ids proposed one
-step earlier.  ``GPUModelRunner._sample`` calls it every spec-decode step,
-right before the rejection sampler needs them for penalties or bad words.
+``sampling_metadata.spec_token_ids``) for the real draft ids proposed one step
+earlier. One compiled call (``fastbatch.update_async_spec_token_ids``) does
+the loop. vLLM 0.21.0 to 0.33.0 (the V1 runner).
 
-Why: a per-request Python loop (a dict lookup, a slice deletion, a clear and
-an extend per request) on the CPU critical path; fastbatch does the same in
-one compiled call (``fastbatch.update_async_spec_token_ids``), with exactly
-the same results, including the truncation of the draft rows it is given.
+Guard: the method's fingerprint; the activation check on synthetic batches;
+the shadow runs vLLM's method on copies of the spec lists and draft rows.
 
-When it can go: with the V1 runner (Model Runner V2 keeps draft tokens on
-the GPU), or if vLLM moves the loop into compiled code.
+When it can go: when fastbatch no longer supports a vLLM with Model Runner V1
+(0.33.0 is the last), or if vLLM moves the loop into compiled code.
 
-Shadow check (``FASTBATCH_VERIFY``): vLLM's method runs on copies of the
-spec lists and draft rows (both short); on a divergence vLLM's results are
-written back into the same list objects.  The copies assume that no list
-appears twice in the call (true in vLLM: each spec list is its request's row
-of ``InputBatch.spec_token_ids``, each draft row a fresh ``.tolist()`` row).
+Upstream: vllm-project/vllm#41286 (the migration to Model Runner V2); vLLM
+0.34.0 removed Model Runner V1, so nothing is left to propose upstream.
+
+Story and numbers: ``docs/pieces/async_spec_token_ids.md``.
 """
 
 from __future__ import annotations

@@ -3,48 +3,21 @@
 What is replaced: the per-request loop of the method that, after sampling,
 records each request's new tokens on the CPU side: ``token_ids_cpu``,
 ``is_token_ids`` and ``num_tokens_no_spec`` of the input batch, and the
-request's ``output_token_ids`` list (the same list object that the input
-batch and the sampling metadata hold).  Under async scheduling each request
-not discarded gets one ``-1`` placeholder (replaced by the real id next step,
-see the ``output`` patch); without it, its ``valid_sampled_token_ids`` row.
-``execute_model``/``sample_tokens`` call it once per step, on every step,
-plain greedy decode included.
+request's ``output_token_ids`` list (the same list object that the input batch
+and the sampling metadata hold). vLLM's method with that loop done by one
+compiled call (``fastbatch.append_sampled_token_ids``). vLLM 0.31.0 to 0.33.0.
 
-Why: that loop indexes numpy arrays with scalars and assigns slices, a few
-microseconds per request on every step (about 1 ms at 256 requests, 2-4 ms
-at 1024 here).  fastbatch runs it as one compiled call
-(``fastbatch.append_sampled_token_ids``) that writes the arrays through their
-buffers.  The rest of the method is vLLM's own code, unchanged: the method
-below is vLLM 0.31.0-0.33.0's, with only the loop swapped, so the guard pins
-that exact variant.
+Guard: the whole method's fingerprint; the activation check on runner
+stand-ins; the shadow runs vLLM's method on copies of what it writes.
 
-Exactness: the compiled call checks everything before it changes anything.
-If it refuses the input (an assertion vLLM would raise, a missing request
-state, arrays that are not the batch's int32/bool arrays, rows that are not
-lists of ints...), vLLM's own loop (the copy in ``_vllm_loop``, pinned by the
-same fingerprint) runs instead, so errors and partial updates are vLLM's.
+When it can go: when fastbatch no longer supports a vLLM with Model Runner V1
+(0.33.0 is the last), or if vLLM moves the loop into compiled or vectorised
+code.
 
-When it can go: with Model Runner V2 (it keeps this state on the GPU), or if
-vLLM moves the loop into compiled or vectorised code.
+Upstream: vllm-project/vllm#41286 (the migration to Model Runner V2); vLLM
+0.34.0 removed Model Runner V1, so nothing is left to propose upstream.
 
-Shadow check (``FASTBATCH_VERIFY``): vLLM's method runs on a runner stand-in
-(``stand_in_runner``) holding copies of what it writes: ``num_tokens_no_spec``
-(whole), of ``token_ids_cpu`` and ``is_token_ids`` each sampled row's window
-from its ``num_tokens_no_spec`` on, one column wider than the sampled ids
-(all that the loop can write; copying the whole ``[max_num_reqs,
-max_model_len]`` arrays would cost far more than the method), the offsets of
-the discarded requests' generators, and for each request an empty output
-list (the loop only appends).  What it only reads (the sampled ids, the
-logprobs tensors, the request-id map, the discard mask) is shared.  The
-prompt logprobs (vLLM's ``_get_prompt_logprobs_dict``, not run twice: it
-updates the runner's prompt-logprobs state) are left out of the comparison.
-Compared: the return value, the generators' offsets, which tensor
-``prev_sampled_token_ids`` is, ``prev_req_id_to_index``, the arrays
-(``num_tokens_no_spec`` whole, the windows), and for each request what its
-output list gained and its length, and that it is still the very list the
-request held.  On a divergence vLLM's values are put back into the runner's
-own arrays, generators and output lists (the same list objects), and the
-call returns vLLM's tuple with the live prompt logprobs.
+Story and numbers: ``docs/pieces/bookkeeping_sync.md``.
 """
 
 from __future__ import annotations

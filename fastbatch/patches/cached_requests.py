@@ -2,63 +2,22 @@
 
 What is replaced: the method with which ``Scheduler.schedule()`` packs, every
 step, the requests that were scheduled before into a ``CachedRequestData``:
-their ids, block ids, computed and output token counts.  vLLM has it in two
-shapes, and the patch binds to the one installed, once (``_bind``: the
-method's parameters and ``CachedRequestData``'s fields):
+their ids, block ids, computed and output token counts. Either of vLLM's two
+shapes (0.30.0 to 0.33.0, 0.34.0) becomes vLLM's method with its per-request
+loop done by one compiled call (``fastbatch.cached_request_lists``); with
+pipeline parallelism and no async scheduling the call is vLLM's. vLLM 0.30.0
+to 0.34.0.
 
-- vLLM 0.30.0 to 0.33.0 (``_make_with_resumed``): ``(running_reqs,
-  resumed_reqs, num_scheduled_tokens, spec_decode_tokens,
-  req_to_new_blocks)``, seven fields: the running requests, then the resumed
-  ones (also in ``resumed_req_ids``), and under Model Runner V1, for requests
-  not scheduled in the previous step, a copy of their token ids
-  (``all_token_ids``).
-- vLLM 0.34.0 (``_make_running_only``): ``(running_reqs,
-  num_scheduled_tokens, spec_decode_tokens, req_to_new_blocks)``, five fields
-  (no ``resumed_req_ids``, no ``all_token_ids``): resumed requests are sent
-  again in full as new ones, and no token ids are read.
-
-Either replacement is vLLM's method with its per-request loop done by one
-compiled call (``fastbatch.cached_request_lists``; on 0.34.0 with no resumed
-requests and no token ids to send, the branch 0.33.0 takes under Model
-Runner V2), which builds the same lists, set and dict, in the same order.
-The installed method takes its arguments as vLLM's of that release does,
-by position or by keyword.  With pipeline parallelism and no async
-scheduling (the one case that also sends each request's new token ids) the
-whole call runs vLLM's method.
-
-Why: a Python loop over every running request per step, with six list
-appends, ``KVCacheBlocks.get_block_ids`` (a generator and a comprehension
-even for a decode's empty blocks) and two ``Request`` properties; 0.57 s of
-the 6.2 s cProfile of ``schedule`` at 1024 running requests (issue 12).
-
-The scheduler is the same code under Model Runner V1 and V2 (it runs in
-EngineCore, not in the worker), so this piece acts under both runners.
+Guard: one fingerprint per shape, and the functions the loop reads in place of
+calling (the companions); the activation check on small real requests and
+blocks, by position and by keyword; the shadow compares every field.
 
 When it can go: if vLLM builds this per-step payload from arrays.
 
-Safety: see ``fastbatch.patches._patch``.  The guard pins the method (one
-fingerprint per shape) and what the compiled loop reads in place of calling
-it: ``KVCacheBlocks.get_block_ids``, ``ConstantList.copy`` (0.30.0 to
-0.33.0's token-id copies; on 0.34.0 ``Request._all_token_ids`` is a
-``TokenBuffer`` whose ``copy()`` gives a list, and no token ids are read)
-and ``Request.num_output_tokens``.  The activation check refuses a method
-and ``CachedRequestData`` of neither shape, then runs stock and fastbatch
-side by side on small real requests and KV-cache blocks, on a ``Scheduler``
-instance that carries only the attributes the release's method reads
-(running and, before 0.34.0, resumed requests; new and empty blocks, two
-KV-cache groups, pipeline parallelism with async scheduling; before 0.34.0
-both model runners' branches), calling by position and by keyword; and it
-passes only if the compiled loop itself took every request of each call
-(its ``requests`` counter).
+Upstream: none found in vLLM's issues and PRs for this method; the nearest is
+vllm-project/vllm#42131 (an open decode fast path for the scheduler).
 
-Shadow check (``FASTBATCH_VERIFY``): vLLM's method only reads, so only the
-request lists are copied; it runs right after fastbatch's call on the same
-requests and blocks.  Compared: every field of the two ``CachedRequestData``
-in order (dicts by their items, in order), and that no token list sent is a
-request's own list.  On a divergence the call returns vLLM's.  The reproducer
-holds the fields the method reads of each request, and the blocks as ids.
-With pipeline parallelism and no async scheduling the call is vLLM's method
-itself: not checked.
+Story and numbers: ``docs/pieces/cached_requests.md``.
 """
 
 from __future__ import annotations

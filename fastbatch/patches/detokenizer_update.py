@@ -1,70 +1,23 @@
 """Patch: ``vllm.v1.engine.detokenizer.BaseIncrementalDetokenizer.update``.
 
-What is replaced: the method the output processor calls once per request
-and step to detokenize the request's new tokens and check its stop strings.
-For a ``FastIncrementalDetokenizer`` (every tokenizer of the ``tokenizers``
-library: what vLLM uses for nearly every model) one compiled call
-(``update_detokenizer``) does what the method does, in vLLM's
-order: each token appended to ``token_ids``, its text from vLLM's own
-``decode_next`` (the tokenizers library's ``DecodeStream``) appended to
-``output_text``, then vLLM's own ``check_stop_strings`` and its truncation.
-Any other detokenizer (``SlowIncrementalDetokenizer``, a subclass) runs
-vLLM's method.  The method installed is the compiled piece's ``update``
-itself, not a Python function around it: a Python frame per call cost about
-90 ns, as much as the compiled loop saves on a short text.
+What is replaced: the method the output processor calls once per request and
+step to detokenize the request's new tokens and check its stop strings. The
+installed method is one compiled function (``fastbatch.update_detokenizer``)
+that grows the output text in place where nothing else holds it; other
+detokenizers run vLLM's method. vLLM 0.32.0 to 0.34.0.
 
-Why: vLLM appends each token's text with ``self.output_text += text``.
-CPython grows a string in place only for a local variable that holds its
-only reference; an attribute's string is copied whole for every token, so a
-request's text costs time quadratic in its length: in vLLM 0.33.0, 2.4 us an
-update at 128 tokens, 6.4 us at 8,192 and 44 us at 32,768 (the text 110k
-characters), measured on the method alone (``tox -e bench-detokenizer``).
-Long outputs (reasoning models, RL rollouts) at high concurrency pay it on
-every step: 1,024 requests 32k tokens into their outputs spend some 45 ms a
-step here (44 us x 1,024); with fastbatch 2.6 us an update at every length.
+Guard: the fingerprints of the method and of
+``IncrementalDetokenizer.num_output_tokens``; the activation check on real
+detokenizers, their attributes plain; the shadow records what ``decode_next``
+answered and replays vLLM's method on a copy.
 
-fastbatch takes the text off the detokenizer for the append, so that
-the string is resized in place when nothing else holds it (a string
-something else holds, a caller's ``RequestOutput`` say, is copied as before:
-a str is never changed under anyone's feet; a text under 1,024 characters
-too, cheaper to copy), and runs the loop around vLLM's ``decode_next``
-compiled.  The values are vLLM's: the same text, token ids
-and stop string.
+When it can go: when vLLM builds ``output_text`` without copying it for every
+token (a local accumulation, or a list of pieces).
 
-The output processor is the same under Model Runner V1 and V2 (it runs in
-the front-end process), so this piece acts under both runners.
+Upstream: vllm-project/vllm#24174 (long-generation detokenizer cost, closed
+unmerged); #32975 dropped its join of pieces before merging.
 
-When it can go: when vLLM builds ``output_text`` without copying it for
-every token (a local accumulation, or a list of pieces).
-
-Safety: see ``fastbatch.patches._patch``.  The guard pins the target and
-``IncrementalDetokenizer.num_output_tokens`` (``len(token_ids)`` for a
-``FastIncrementalDetokenizer``, read by the compiled call as that).  The
-attributes it reads and writes are plain instance attributes (checked by
-``bind`` in the activation check: ``instance_dict_problem``, no ``__setattr__``
-of the class's own, ``num_output_tokens`` not overridden; else vLLM stays
-stock); it reads and writes them as attributes, never through ``__dict__``,
-which would turn CPython's inline attribute values into a dict and make
-vLLM's own accesses to them slower (measured: 1.5 against 1.7 us an update
-with cold caches).  The
-activation check runs vLLM's method and fastbatch's side by side on
-detokenizers whose ``decode_next`` answers scripted texts (ASCII, empty,
-Latin-1, CJK, emoji and U+FFFD; stop strings kept and not, ``min_tokens``,
-stop-terminated updates, several tokens an update, a match in the middle of
-them), with a caller holding an earlier text that must stay as it was.
-
-Shadow check (``FASTBATCH_VERIFY``): a detokenizer's ``DecodeStream``
-cannot be copied or rewound, so the shadow never decodes twice: it records
-what ``decode_next`` answered fastbatch's call (the token ids asked, in
-order, and each text or exception), and vLLM's method runs on a stand-in
-with a copy of the state whose ``decode_next`` answers the same; its
-``token_ids`` holds only the ids from the call on (``TokenTail``), so that a
-check costs the same at any output length.  Compared: the token ids asked,
-the return value, the ids from the call on and ``output_text``.
-On a divergence vLLM's ``token_ids`` and ``output_text`` are put in place;
-the stream was advanced by the tokens fastbatch asked for (if they were not
-vLLM's, that request's later texts may differ; the piece runs vLLM's code
-for the rest of the process either way).
+Story and numbers: ``docs/pieces/detokenizer_update.md``.
 """
 
 from __future__ import annotations

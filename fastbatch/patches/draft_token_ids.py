@@ -3,31 +3,21 @@
 What is replaced: the method that hands the drafter's proposals to the
 scheduler (``take_draft_token_ids``) and, under async scheduling, to
 ``InputBatch.update_async_spec_token_ids``, as
-``draft_token_ids_cpu[:num_reqs, :num_spec_tokens].tolist()``.  The
-replacement is vLLM's method (0.24.0 to 0.33.0) with only that expression
-swapped for one compiled call, ``fastbatch.draft_token_lists``, which builds
-the same plain lists of plain ints (the shared token-id objects) from the
-tensor's memory, without the sliced view.  Where the call refuses the tensor,
-vLLM's own expression runs.
+``draft_token_ids_cpu[:num_reqs, :num_spec_tokens].tolist()``. The replacement
+is vLLM's method with only that expression swapped for one compiled call
+(``fastbatch.draft_token_lists``); a tensor it refuses runs vLLM's expression.
+vLLM 0.24.0 to 0.33.0 (the V1 runner).
 
-Why: the ``tolist()`` makes a fresh int object per draft id every
-spec-decode step; it cost more than fastbatch's whole spec update.
+Guard: the fingerprint of the whole method; the activation check on runner
+stand-ins; the shadow runs vLLM's method on a copy of the buffer's rows.
 
-When it can go: with Model Runner V2, or if vLLM builds these lists in
-compiled code.
+When it can go: when fastbatch no longer supports a vLLM with Model Runner V1
+(0.33.0 is the last), or if vLLM builds these lists in compiled code.
 
-Shadow check (``FASTBATCH_VERIFY``): where the method builds lists (drafts
-in a tensor, request ids set; the other branches are vLLM's own lines),
-vLLM's method runs on a stand-in runner with a copy of the buffer's rows in
-use (``draft_token_ids_cpu[:len(req_ids)]``) and a copy of the request ids.
-Compared: the lists exactly (a plain ``list`` of distinct plain ``list``s of
-plain ``int``s: ``update_async_spec_token_ids`` truncates them in place),
-that the request ids returned are the runner's own list (as vLLM's are), and
-that the buffer's rows are unchanged.  The rows are copied after the draft
-event's ``synchronize()`` (as the method reads them): before it, on a GPU,
-the host buffer may not hold them yet.  On a divergence the call returns
-vLLM's lists with the runner's request-id list, and the buffer's rows get
-their values back.
+Upstream: vllm-project/vllm#41286 (the migration to Model Runner V2); vLLM
+0.34.0 removed Model Runner V1, so nothing is left to propose upstream.
+
+Story and numbers: ``docs/pieces/draft_token_ids.md``.
 """
 
 from __future__ import annotations

@@ -1,38 +1,21 @@
 """Patch: ``vllm.v1.worker.gpu_model_runner.AsyncGPUModelRunnerOutput.get_output``.
 
 What is replaced: the method that, under async scheduling, hands the step's
-sampled token ids to the scheduler as lists.  On a plain decode step (one id
-per request) vLLM does ``sampled_token_ids_cpu.tolist()`` and then clears the
-discarded requests' rows one by one.  The replacement is vLLM's method
-(0.31.0 to 0.33.0) with only those lines swapped for one compiled call,
-``fastbatch.sampled_token_lists``, which builds the same plain lists of plain
-ints (the shared token-id objects) straight from the tensor's memory.  With
-spec tokens (more than one id per row) it calls ``RejectionSampler.parse_output``
-as vLLM does (see ``fastbatch.patches.parse_output``).  Where the call
-refuses its input, vLLM's own two lines run instead.
+sampled token ids to the scheduler as lists. The replacement is vLLM's method
+with the plain decode step's ``tolist()`` and clear loop swapped for one
+compiled call (``fastbatch.sampled_token_lists``); input it refuses runs
+vLLM's lines. vLLM 0.31.0 to 0.33.0 (the V1 runner).
 
-Why: ``tolist()`` makes a fresh int object per id and the clear loop is
-Python; it is paid every step of every async V1 run.
+Guard: the fingerprint of the whole method; the activation check on output
+stand-ins; the shadow runs vLLM's method on a copy of the sampled ids.
 
-When it can go: with Model Runner V2 (its output path is different), or if
-vLLM builds these lists in compiled code.
+When it can go: when fastbatch no longer supports a vLLM with Model Runner V1
+(0.33.0 is the last), or if vLLM builds these lists in compiled code.
 
-Shadow check (``FASTBATCH_VERIFY``): on a plain decode step (one id per
-row; with spec tokens the method is vLLM's code around ``parse_output``,
-whose own shadow checks the lists) vLLM's method runs on a stand-in output
-object made of a copy of the sampled ids, a copy of the discarded indices and
-the rest of what it reads (logprobs, NaN counts, the runner output's
-``req_id_to_index``, shared: only read).  Compared: what the method writes on
-the runner output (``sampled_token_ids`` exactly: a plain ``list`` of
-distinct plain ``list``s of plain ``int``s; ``logprobs`` array by array;
-``num_nans_in_logits``), that it returns that runner output itself, which of
-the device tensors it let go (``del``), and that the sampled ids and the
-discarded indices are unchanged.  The ids are copied after the copy-ready
-event's ``synchronize()`` (the method's own first step): before it, on a GPU,
-the host tensor may not hold them yet.  On a divergence vLLM's values are set on
-the very runner output vLLM holds, the attributes are put back or deleted as
-vLLM's left them, the inputs get their values back, and that runner output is
-returned.
+Upstream: vllm-project/vllm#41286 (the migration to Model Runner V2); vLLM
+0.34.0 removed Model Runner V1, so nothing is left to propose upstream.
+
+Story and numbers: ``docs/pieces/get_output.md``.
 """
 
 from __future__ import annotations

@@ -2,29 +2,21 @@
 
 What is replaced: the static method that turns the rejection sampler's output
 (``[num_reqs, num_spec_tokens + 1]`` ids, rejected slots ``-1``) into one list
-of accepted ids per request, with the discarded requests' lists empty.  vLLM
-makes a numpy mask ``(ids != -1) & (ids < vocab_size)`` and does
-``row[mask[i]].tolist()`` per row; ``fastbatch.rejection_output_lists`` builds
-the same plain lists of plain ints (the shared token-id objects) in one
-compiled pass over the tensor's memory.  With logprobs, or where the call
-refuses its input (a GPU tensor, another dtype, discarded indices numpy would
-read differently), vLLM's own method runs.
+of accepted ids per request, with the discarded requests' lists empty. One
+compiled pass (``fastbatch.rejection_output_lists``) builds the lists; with
+logprobs, or input it refuses, vLLM's method runs. vLLM 0.21.0 to 0.33.0 (the
+V1 runner's rejection sampler).
 
-Why: a numpy mask, a boolean index and a ``tolist()`` per request, every
-spec-decode step (``get_output`` under async scheduling, ``_bookkeeping_sync``
-without it).
+Guard: the method's fingerprint; the activation check on synthetic tensors;
+the shadow runs vLLM's method on a copy of the ids.
 
-When it can go: with Model Runner V2, or if vLLM builds these lists in
-compiled code.
+When it can go: when fastbatch no longer supports a vLLM with Model Runner V1
+(0.33.0 is the last), or if vLLM builds these lists in compiled code.
 
-Shadow check (``FASTBATCH_VERIFY``): vLLM's method runs on a copy of the
-ids tensor (and of the discarded indices); its lists must equal fastbatch's
-exactly: the same values, as a plain ``list`` of distinct plain ``list``s of
-plain ``int``s (later code mutates the rows one by one); and the live tensor
-must be unchanged by fastbatch's call.  On a divergence the call returns
-vLLM's lists (and the tensor gets its values back).  A call with logprobs,
-or with the ids on a device (``_bookkeeping_sync`` without async scheduling
-on a GPU), is not checked: the replacement is vLLM's method itself there.
+Upstream: vllm-project/vllm#41286 (the migration to Model Runner V2); vLLM
+0.34.0 removed Model Runner V1, so nothing is left to propose upstream.
+
+Story and numbers: ``docs/pieces/parse_output.md``.
 """
 
 from __future__ import annotations

@@ -2,60 +2,22 @@
 
 What is replaced: the function that turns the batch's output token-id lists
 into the padded ``[num_reqs, max_output_len]`` int64 tensor the penalties
-scatter from.  ``apply_all_penalties`` calls it every step in which any
-request has a presence, frequency or repetition penalty (from ``Sampler``, and
-from ``RejectionSampler`` with spec decoding), then masks the -1
-placeholders to ``vocab_size``.
+scatter from. One compiled call (``fastbatch.output_tokens_tensor``) writes it
+masked; ``apply_all_penalties`` loses its redundant ``masked_fill_``. vLLM
+0.21.0 to 0.33.0.
 
-Why: stock builds it through ``make_tensor_with_pad``: a numpy array filled
-row by row from the Python lists (numpy converting every int), wrapped as a
-tensor, then copied into pinned memory.  That is O(requests x output length)
-per step, tens of milliseconds at long outputs, far more than the loops the
-other patches replace.  fastbatch writes the ids straight into one new
-(pinned, where stock pins) tensor in a single compiled pass, with the -1 ->
-``vocab_size`` masking folded in, so the ``masked_fill_`` that follows finds
-nothing left to change.
+Guard: the fingerprints of ``_convert_to_tensors``, ``apply_all_penalties``
+and the padding functions reproduced; activation checks on synthetic batches;
+the shadow compares the tensors.
 
-Not incremental, on purpose: reusing last step's tensor and converting only
-the new tokens would need to know that no earlier item of any list changed,
-and vLLM's lists are plain Python lists that are shortened (discarded tokens,
-spec-decode rejections), replaced in place (async placeholders) and
-reordered between steps; the only exact check is to read every item again,
-which is the cost being saved.  A fresh tensor per step also means no pinned
-buffer is ever rewritten while an earlier non-blocking copy may read it.
+When it can go: when fastbatch no longer supports a vLLM with Model Runner V1
+(0.33.0 is the last), or if vLLM stops rebuilding this tensor from Python
+lists each step.
 
-When it can go: when vLLM's penalties stop rebuilding this tensor from
-Python lists each step (penalties.py carries a note that it "will be
-reworked"; Model Runner V2 keeps the output history on the GPU).
+Upstream: vllm-project/vllm#41286 (the migration to Model Runner V2); vLLM
+0.34.0 removed Model Runner V1, so nothing is left to propose upstream.
 
-The masking after it: stock ``apply_all_penalties`` then runs
-``masked_fill_(t == -1, vocab_size)`` on a tensor that holds no -1 any more,
-a full pass over it (about 3 ms on the CPU at 256 x 4000).  So with the
-conversion replaced, ``apply_all_penalties`` is replaced too, at each binding
-that calls it (``penalties.py`` itself, and ``sampler.py`` and
-``rejection_sampler.py``, which import it by name), by vLLM's function minus
-that masking.  It never leaves an unmasked tensor: it is applied only
-after the conversion's patch, and reverted with it, and at each call it masks
-anyway unless the conversion it just called is fastbatch's own function (so a
-profiler's wrapper around the conversion brings the masking back: exact,
-slower).
-
-Safety: see ``fastbatch.patches._patch``.  Besides the target, the guard also
-fingerprints ``apply_all_penalties`` (the masking after the call) and
-``make_tensor_with_pad``/``make_ndarray_with_pad`` (the semantics reproduced);
-``apply_all_penalties`` is replaced only where its fingerprint is the verified
-one.  ``FASTBATCH_DISABLE=penalty_output_tokens``
-leaves both stock.  The masking has no
-name of its own: it may be skipped only after fastbatch's conversion, and the
-one configuration a name would add (fastbatch's conversion, then stock's
-masking) gives the same logits, only slower.
-
-Shadow check (``FASTBATCH_VERIFY``): vLLM's function runs on a copy of the
-rows (taken before fastbatch's call; both only read it); its tensor, masked
-in place as ``apply_all_penalties`` masks it, must equal fastbatch's (values,
-dtype, shape, device, pinning).  On a divergence the call returns vLLM's
-tensor (already masked: the masking that follows then changes nothing, as
-after fastbatch's).
+Story and numbers: ``docs/pieces/penalty_output_tokens.md``.
 """
 
 from __future__ import annotations

@@ -1,40 +1,21 @@
 """Patch: ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_input_ids``.
 
-What is replaced: the method that, every step of ``_prepare_inputs``, puts
-the step's input token ids on the device.  Under async scheduling the ids
-sampled (and drafted) in the previous step are still on the device, so it
-loops over the batch in Python to build, per request of the previous step,
-the flattened index of its sampled token and of its draft tokens and the rows
-they come from (lists), then copies or scatters them on the device.  The CPU
-runner inherits it.
+What is replaced: the method that, every step of ``_prepare_inputs``, puts the
+step's input token ids on the device. The replacement is vLLM's method with
+its index loop done by one compiled call
+(``fastbatch.prepare_input_ids_indices``). vLLM 0.31.0 to 0.33.0 (the V1
+runner).
 
-Why: that loop is per request Python (a numpy item read, a dict lookup,
-``.item()``, two ``range`` extends) on the CPU critical path of every async
-step, and its lists are then turned into tensors item by item.  The
-replacement is vLLM's method with only that loop swapped for one compiled
-call (``fastbatch.prepare_input_ids_indices``), which returns the four lists
-as rows of two int64 arrays; they become the same (pinned where stock pins)
-index tensors through ``torch.from_numpy``.  Everything else (the PP wait, the
-normal path, the prompt-embeds mask, the copies, the fast path, the scatters)
-is vLLM's code, so the guard pins this exact variant of the method.
+Guard: the fingerprint of the whole method; the activation check on runner
+stand-ins; the shadow runs vLLM's method on copies of what it writes.
 
-When it can go: with the V1 runner (Model Runner V2 prepares its inputs on the
-device), or if vLLM vectorises the loop.
+When it can go: when fastbatch no longer supports a vLLM with Model Runner V1
+(0.33.0 is the last), or if vLLM vectorises the loop.
 
-Shadow check (``FASTBATCH_VERIFY``): only calls that reach the loop (a
-previous step's sampled ids to copy) are checked.  vLLM's method runs on a
-runner stand-in (``stand_in_runner``) with copies of every buffer it writes:
-the whole device side of ``input_ids``, and with prompt embeds
-``is_token_ids`` (both sides, its CPU side is written at the draft
-positions) and the first ``total_num_scheduled_tokens`` rows of the device
-side of ``inputs_embeds`` (all that vLLM copies into); what it only reads
-(the CPU sides it copies from, the previous sampled and draft ids, the
-``prev_positions`` column, ``cu_num_tokens``, the scheduled drafts) is
-shared.  The PP broadcast is a stand-in the copy waits for.  Compared: the
-return value, whether the PP broadcast was consumed, and each written buffer
-(values, dtype, shape).  The index tensors the method builds are temporaries:
-they are compared through what their scatters wrote.  On a divergence vLLM's
-buffers are copied into the runner's own ones.
+Upstream: vllm-project/vllm#41286 (the migration to Model Runner V2); vLLM
+0.34.0 removed Model Runner V1, so nothing is left to propose upstream.
+
+Story and numbers: ``docs/pieces/prepare_input_ids.md``.
 """
 
 from __future__ import annotations

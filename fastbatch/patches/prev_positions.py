@@ -4,23 +4,20 @@ What is replaced: the method that, every step of ``_prepare_inputs``, maps
 each request of the batch to its row in the previous step (``-1`` for a
 request new this step) in ``self.prev_positions.np``, the int64 column that
 ``_prepare_input_ids``, the accepted-token counts and the async spec-decode
-correction read.  The CPU runner inherits it.
+correction read. One compiled call (``fastbatch.compute_prev_positions``)
+fills the column; vLLM's early return is kept. vLLM 0.21.0 to 0.33.0 (the V1
+runner).
 
-Why: a per-request Python loop (a dict lookup and a numpy item store per
-request) on the CPU critical path of every step; fastbatch fills the column in
-one compiled call (``fastbatch.compute_prev_positions``) with exactly vLLM's
-values.  The method keeps vLLM's early return (no previous step: all ``-1``).
+Guard: the method's fingerprint; the activation check on runner stand-ins; the
+shadow runs vLLM's method on a copy of the column.
 
-When it can go: with the V1 runner (Model Runner V2 has its own input
-preparation), or if vLLM vectorises the loop.
+When it can go: when fastbatch no longer supports a vLLM with Model Runner V1
+(0.33.0 is the last), or if vLLM vectorises the loop.
 
-Shadow check (``FASTBATCH_VERIFY``): vLLM's method runs on a runner stand-in
-(``stand_in_runner``) holding a copy of the whole ``prev_positions`` column
-(the request ids are copied, the map is only read: shared).  The whole column
-(not only its first ``num_reqs`` entries, so a write past them shows) and the
-return value are compared; on a divergence vLLM's column is written back into
-the runner's own buffer (``prev_positions.np``, the memory of its ``.cpu``
-tensor).  Every call is checked, the early return (no previous step) too.
+Upstream: vllm-project/vllm#41286 (the migration to Model Runner V2); vLLM
+0.34.0 removed Model Runner V1, so nothing is left to propose upstream.
+
+Story and numbers: ``docs/pieces/prev_positions.md``.
 """
 
 from __future__ import annotations

