@@ -1,10 +1,11 @@
 """fastbatch: vLLM's per-step, per-request CPU bookkeeping as compiled calls.
 
-Each piece (``fastbatch.registry.NAMES``) replaces one loop of vLLM's model
-runner or scheduler with one compiled call over the whole batch, and gives
-exactly the results of vLLM's own code.  This package exports every piece's
-public functions (its compiled module's ``__all__``), ``stats()`` (each
-piece's counters, by piece name) and ``reset_stats()``.  The vLLM plugin
+Each piece (``fastbatch.registry.NAMES``) replaces one loop of vLLM's
+scheduler, model runner, output processor or OpenAI server with one compiled
+call over the whole batch, and gives exactly the results of vLLM's own code.
+This package exports every piece's public functions (its compiled module's
+``__all__``), ``stats()`` (each piece's counters, by piece name) and
+``reset_stats()``.  The vLLM plugin
 (``fastbatch.vllm_plugin``, ``FASTBATCH=1``) installs them in vLLM.
 
 Each is a compiled piece (``fastbatch._kernels``, one module per piece) with a

@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 RUNNER_MEANING = {
-    "v1": "fastbatch's pieces can act (they replace code of the V1 runner)",
+    "v1": "every piece can act (the runner pieces replace code of the V1 runner)",
     "v2": ("fastbatch's runner pieces would stay idle: they serve the V1 runner; "
            "VLLM_USE_V2_MODEL_RUNNER=0 selects V1 (the scheduler's, the output processor's "
            "and the API server's pieces act under both)"),

@@ -228,7 +228,7 @@ cdef bint _checked_plain = False
 
 @dataclasses.dataclass
 class _PlainLogprob:
-    """The ``Logprob`` of vLLM 0.32.0-0.33.0, field for field: a type whose
+    """The ``Logprob`` of vLLM 0.32.0 to 0.34.0, field for field: a type whose
     ``__init__`` is the same code makes its instances as ``_new_logprob``."""
     logprob: float
     rank: int | None = None
