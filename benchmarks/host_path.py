@@ -3,13 +3,18 @@ model (tests/standin_executor.py), stock against ``FASTBATCH=1``.
 
     python benchmarks/host_path.py [--concurrency 256 1024] [--tokens 64]
         [--workloads plain logprobs spec] [--forward-ms 0 10] [--repeats 3]
-        [--out results]
+        [--tokenizer byte bpe] [--out results]
 
 In process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), async scheduling on,
 ``OMP_NUM_THREADS=1``.  Each measurement builds an engine, warms it, then
 runs ``concurrency`` requests at once (distinct 32-token prompts, greedy,
 ``ignore_eos``, ``--tokens`` output tokens each: the batch stays full to the
-end) through ``LLMEngine.add_request`` / ``step``.  Stock and ``FASTBATCH=1``
+end) through ``LLMEngine.add_request`` / ``step``.  The tokenizer
+(``--tokenizer``): ``byte``, the stand-in's 512-token byte-level one (many
+sampled tokens are lone bytes, whose texts vLLM corrects), or ``bpe``, a BPE
+of up to 32,000 tokens trained at the start on real English text (the
+standard library's docstrings and comments: 23,955 tokens; see
+``tools/tiny_model.py``).  Stock and ``FASTBATCH=1``
 alternate (``fastbatch.vllm_plugin.register()`` / ``revert()`` in this
 process), ``--repeats`` times each; the table gives medians.
 
@@ -57,6 +62,8 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tools")]
 PROMPT_LEN = 32
 SPEC_TOKENS = 3
 WORKLOADS = ("plain", "logprobs", "spec")
+# The vocabulary asked of the tokenizer (``standin_executor.make_model_dir``).
+TOKENIZERS = {"byte": 512, "bpe": 32000}
 
 
 def _params(workload: str, tokens: int):
@@ -217,6 +224,9 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--forward-ms", type=float, nargs="+", default=[0.0, 10.0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokenizer", default="byte", choices=TOKENIZERS,
+                        help="byte: the 512-token byte-level one; bpe: a 32,000-token BPE "
+                             "trained on real text")
     parser.add_argument("--out", default=None, help="folder for host_path.json and .md")
     args = parser.parse_args()
 
@@ -225,12 +235,11 @@ def main() -> None:
     standin.prepare_cpu_platform()
     import vllm
 
-    import fastbatch
-
     scratch = tempfile.mkdtemp(prefix="host-path-")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = standin.make_model_dir(Path(scratch) / "model")
+        model = standin.make_model_dir(Path(scratch) / "model", TOKENIZERS[args.tokenizer])
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     cells = []
     failed = False
     for forward_ms in args.forward_ms:
@@ -264,14 +273,14 @@ def main() -> None:
                     }
                 cells.append(cell)
                 print(_row(cell), flush=True)
-    table = _table(cells, args, vllm.__version__, fastbatch)
+    table = _table(cells, args, vllm.__version__, vocab)
     print(table)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "host_path.json").write_text(json.dumps(
             {"vllm": vllm.__version__, "machine": platform.processor() or platform.machine(),
-             "args": vars(args), "cells": cells}, indent=1))
+             "args": vars(args), "vocab": vocab, "cells": cells}, indent=1))
         (out / "host_path.md").write_text(table)
     if failed:
         sys.exit("outputs differ between stock and FASTBATCH=1")
@@ -294,8 +303,9 @@ def _row(cell: dict) -> str:
             f"{stages} | {wait} |" + ("" if cell["identical"] else " OUTPUTS DIFFER"))
 
 
-def _table(cells: list[dict], args, version: str, fastbatch) -> str:
-    lines = [f"vLLM {version}, stand-in model, in process, async scheduling, "
+def _table(cells: list[dict], args, version: str, vocab: int) -> str:
+    lines = [f"vLLM {version}, stand-in model ({args.tokenizer} tokenizer, {vocab:,} "
+             "tokens), in process, async scheduling, "
              f"{args.tokens} output tokens per request, medians of {args.repeats} alternating "
              "runs; host µs per request-step on the engine thread's CPU clock "
              "(stand-in and simulated GPU left out)", "", HEADER,
