@@ -59,7 +59,13 @@ from vllm.v1.utils import ConstantList
 
 import fastbatch
 from fastbatch import _kernels, _reference, _verify, registry, vllm_plugin
-from fastbatch.patches import after_schedule, allocate_slots, cached_requests, schedule_running
+from fastbatch.patches import (
+    _stand_ins,
+    after_schedule,
+    allocate_slots,
+    cached_requests,
+    schedule_running,
+)
 from fastbatch.patches import update_from_output as patch
 from leaks import assert_no_leak
 
@@ -469,10 +475,10 @@ def _state(cls, caching, specs, stop_every, logprobs=None, runner_logprobs="none
     ``req_id_to_index`` even where vLLM dropped it (compiled against twin in
     variants 0 to 2); ``token_store``: each request's ``_all_token_ids``
     becomes this type (an ``array('i')`` subclass)."""
-    requests = requests or patch._stand_in_requests()[:len(specs)]
+    requests = requests or _stand_ins.stand_in_requests()[:len(specs)]
     for request, value in zip(requests, logprobs or (), strict=False):
         request.sampling_params.logprobs = value
-    scheduler = patch._stand_in_scheduler(cls, caching, requests)
+    scheduler = _stand_ins.stand_in_scheduler(cls, caching, requests)
     manager = scheduler.kv_cache_manager
     scheduled, sampled = {}, []
     for request, (outputs, token, in_flight, placeholders, status, max_tokens) in zip(
@@ -735,7 +741,7 @@ def _side_state(scheduler, result):
 
 
 def lockstep_manager():
-    return allocate_slots._small_manager(False)
+    return _stand_ins.small_manager(False)
 
 
 # Decodes with and without placeholders (r1, r3: none; then vLLM 0.33+ reads
@@ -1104,7 +1110,7 @@ def _long_batch(cls):
     every 11th from 3 on a subclass of Request.  Returns the state and the Requests."""
     requests = []
     for index in range(150):
-        request = copy.deepcopy(patch._stand_in_requests()[0])
+        request = copy.deepcopy(_stand_ins.stand_in_requests()[0])
         request.request_id = f"r{index}"
         requests.append(request)
     specs = [(3, 7, 1, 1, RequestStatus.RUNNING, 10**6)] * len(requests)

@@ -98,7 +98,6 @@ given it); a wrong merge only has its output list put back in order.
 from __future__ import annotations
 
 import collections
-import collections.abc
 import contextlib
 import copy
 import dataclasses
@@ -110,8 +109,17 @@ from types import SimpleNamespace
 from typing import Any
 
 import fastbatch
-from fastbatch.patches import allocate_slots
+from fastbatch import registry
+from fastbatch.patches._compare import first_difference, plain
 from fastbatch.patches._patch import Patch, Shadow, instance_dict_problem
+from fastbatch.patches._stand_ins import (
+    kv_manager_state,
+    stand_in_requests,
+    stand_in_scheduler,
+    with_stand_in_grammars,
+)
+
+GROUP = "scheduler"  # fastbatch.registry.GROUPS
 
 logger = logging.getLogger("vllm.fastbatch")
 
@@ -188,7 +196,8 @@ COMPANION_FINGERPRINTS = {
             "vLLM 0.32.0-0.33.0"},
     # The coordinator's and the full-attention manager's caching, as pinned
     # for the allocation fast path.
-    **{name: fingerprints for name, fingerprints in allocate_slots.COMPANION_FINGERPRINTS.items()
+    **{name: fingerprints for name, fingerprints
+       in registry.piece("allocate_slots").module.COMPANION_FINGERPRINTS.items()
        if name.endswith(("cache_blocks", "get_num_cacheable_tokens", ":replay_boundaries"))},
 }
 # What the compiled call reads or writes of a Request (plain instance attributes).
@@ -303,7 +312,7 @@ def _variant(scheduler: Any) -> int | None:
 _MISSING = object()
 
 
-def _step_is_plain(scheduler: Any, model_runner_output: Any) -> bool:
+def _step_isplain(scheduler: Any, model_runner_output: Any) -> bool:
     """Nothing in this step that vLLM's loop handles around the requests.
     Scheduler state that vLLM reads only on some path (a stand-in scheduler
     may lack it) is read with a default: missing, the step is vLLM's."""
@@ -414,7 +423,7 @@ def _fast_variant(scheduler: Any, scheduler_output: Any, model_runner_output: An
     if _KINDS is None:
         _bind()
     variant = _variant(scheduler)
-    if (variant is None or not _step_is_plain(scheduler, model_runner_output)
+    if (variant is None or not _step_isplain(scheduler, model_runner_output)
             # Spec decoding with drafts for every request, none taken: nothing to take.
             or (not drafts and len(scheduler_output.scheduled_spec_decode_tokens)
                 >= len(scheduler_output.num_scheduled_tokens))):
@@ -542,87 +551,6 @@ _HASHER = "vllm request_block_hasher"
 _HASHERS: dict[tuple[Any, ...], Any] = {}
 
 
-def _plain(value: Any, depth: int = 0) -> Any:
-    """``value`` as comparable, picklable data (KV blocks by id, requests by id)."""
-    if value is None or isinstance(value, (bool, int, float, str, bytes, enum.Enum)):
-        return value
-    if isinstance(value, array):  # vLLM 0.34's TokenBuffer
-        return (type(value).__qualname__, value.typecode, value.tolist())
-    if depth > 24:
-        return ("too deep", type(value).__qualname__)
-    depth += 1
-    if type(value) is list:
-        if all(type(item) is int for item in value):
-            return list(value)
-        return [_plain(item, depth) for item in value]
-    if isinstance(value, (list, tuple, collections.deque)):
-        return (type(value).__qualname__, [_plain(item, depth) for item in value])
-    if isinstance(value, dict):
-        return (type(value).__qualname__,
-                [(_plain(key, depth), _plain(item, depth)) for key, item in value.items()])
-    if isinstance(value, (set, frozenset)):
-        return ("set", sorted(repr(_plain(item, depth)) for item in value))
-    block_id = getattr(value, "block_id", None)
-    if type(block_id) is int:
-        return ("block", block_id)
-    request_id = getattr(value, "request_id", None)
-    if type(request_id) is str and hasattr(value, "_all_token_ids"):
-        return ("request", request_id)
-    fields = getattr(type(value), "__struct_fields__", None)
-    if fields is not None:
-        return (type(value).__qualname__,
-                {name: _plain(getattr(value, name), depth) for name in fields})
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return (type(value).__qualname__,
-                {field.name: _plain(getattr(value, field.name), depth)
-                 for field in dataclasses.fields(value)})
-    if (hasattr(value, "tobytes") and hasattr(value, "strides")
-            and not getattr(getattr(value, "dtype", None), "hasobject", True)):
-        # numpy, exactly: dtype, shape, strides and bytes (a NaN equals itself)
-        return (type(value).__qualname__, value.dtype.str, value.shape, value.strides,
-                value.tobytes())
-    if hasattr(value, "tolist") and hasattr(value, "dtype"):
-        return (type(value).__qualname__, str(value.dtype), value.tolist())
-    if isinstance(value, collections.abc.Iterator):
-        return ("iterator", [_plain(item, depth) for item in value])
-    if hasattr(value, "__dict__") and not callable(value):
-        return (type(value).__qualname__,
-                {name: _plain(item, depth) for name, item in vars(value).items()})
-    return (type(value).__qualname__, repr(value))
-
-
-def _equal(ours: Any, stock: Any) -> bool:
-    try:
-        return bool(ours == stock)
-    except Exception:  # arrays inside: compare as plain data
-        return _plain(ours) == _plain(stock)
-
-
-def _first_difference(ours: Any, stock: Any, path: str = "") -> str | None:
-    if _equal(ours, stock):
-        return None
-    if hasattr(type(ours), "__struct_fields__") and type(ours) is type(stock):
-        return _first_difference(_plain(ours)[1], _plain(stock)[1], path)
-    if type(ours) is not type(stock):
-        return f"{path or 'outcome'}: fastbatch {ours!r:.300}, vLLM {stock!r:.300}"
-    if isinstance(ours, dict):
-        for key in list(ours) + [key for key in stock if key not in ours]:
-            if key not in ours or key not in stock:
-                return (f"{path}[{key!r}]: only in "
-                        f"{'fastbatch' if key in ours else 'vLLM'}'s outcome")
-            found = _first_difference(ours[key], stock[key], f"{path}[{key!r}]")
-            if found is not None:
-                return found
-        return None
-    if isinstance(ours, (list, tuple)) and len(ours) == len(stock):
-        for index, (left, right) in enumerate(zip(ours, stock, strict=True)):
-            found = _first_difference(left, right, f"{path}[{index}]")
-            if found is not None:
-                return found
-        return None
-    return f"{path or 'outcome'}: fastbatch {ours!r:.300}, vLLM {stock!r:.300}"
-
-
 class _BlockRef:
     """A KV-cache block of the shadow's copy of the manager: its id only."""
 
@@ -653,7 +581,7 @@ class _BlockPoolProbe:
             raise AttributeError(name)
 
         def record(*args: Any, **kwargs: Any) -> None:
-            self.calls.append((name, _plain(args), _plain(kwargs)))
+            self.calls.append((name, plain(args), plain(kwargs)))
 
         return record
 
@@ -726,7 +654,7 @@ def _kv_view(manager: Any, request_ids: list[str]) -> Any:
         blocks, partial = single.req_to_blocks, getattr(single, "_partial_hit_reqs", {})
         view.append({rid: (single.num_cached_block.get(rid),
                            [block.block_id for block in blocks[rid]] if rid in blocks else None,
-                           _plain(partial.get(rid)))
+                           plain(partial.get(rid)))
                      for rid in request_ids})
     return view
 
@@ -737,7 +665,7 @@ def _kv_calls(manager: Any) -> list[Any]:
     for index, single in enumerate(manager.coordinator.single_type_managers):
         for name, value in vars(single).items():
             if type(value) is list and value:
-                calls.append((f"group {index} {name}", _plain(value)))
+                calls.append((f"group {index} {name}", plain(value)))
     return calls
 
 
@@ -816,13 +744,13 @@ def _request_state(request: Any) -> dict[str, Any]:
         elif name in _TOKEN_LISTS and type(value) is list:
             out[name] = list(value)  # ints (hashes: bytes): compared as they are
         elif name in _TOKEN_LISTS and isinstance(value, array):
-            out[name] = _plain(value)
+            out[name] = plain(value)
         elif name == "_block_hasher":
             continue  # read only; rebuilt on replay
         elif type(value) in _SCALAR_TYPES:
             out[name] = value
         elif name in _COPIED_LISTS or name in _COPIED_DEEP or _is_scalar(value):
-            out[name] = _plain(value)
+            out[name] = plain(value)
         else:
             out[name] = ("the same object", id(value))
     return out
@@ -831,7 +759,7 @@ def _request_state(request: Any) -> dict[str, Any]:
 def _exact_output(output: Any) -> Any:
     """An ``EngineCoreOutput`` as compared: as is, or as plain data if it
     holds arrays (its sample logprobs)."""
-    return output if getattr(output, "new_logprobs", None) is None else _plain(output)
+    return output if getattr(output, "new_logprobs", None) is None else plain(output)
 
 
 def _outcome_of(scheduler: Any, taken: list[str], requests: dict[str, Any],
@@ -914,7 +842,7 @@ def _run(function: Any, inputs: dict[str, Any]) -> Any:
     if memo is not None and memo[0] is function:
         return memo[1]
     requests = [_copy_request(inputs["requests"][rid]) for rid in taken]
-    scheduler = _stand_in_scheduler(inputs["cls"], True, requests,
+    scheduler = stand_in_scheduler(inputs["cls"], True, requests,
                                     manager=_kv_probe(inputs["kv"]))
     scheduler.__dict__.update(inputs["settings"])
     scheduled = {rid: inputs["scheduled"][rid] for rid in taken}
@@ -1052,7 +980,7 @@ def _compare(ours: Any, stock: Any) -> str | None:
         # (a replay runs fastbatch's method on a scheduler without statistics)
         ours.pop("drafts_counted", None)
         stock.pop("drafts_counted", None)
-    return _first_difference(ours, stock)
+    return first_difference(ours, stock)
 
 
 def _restore(inputs: dict[str, Any], stock: Any, result: Any, *args: Any) -> Any:
@@ -1102,97 +1030,6 @@ SHADOW = Shadow(snapshot=_snapshot, run=_run, outcome=_outcome, restore=_restore
                 compare=_compare, for_reproducer=_for_reproducer)
 
 
-def _stand_in_scheduler(cls: Any, enable_caching: bool, requests: list[Any],
-                        manager: Any = None) -> Any:
-    """A ``cls`` instance with just the state ``update_from_output`` reads on
-    a step without connectors, stats or structured output (no engine: the
-    check must be cheap), over ``manager`` or a small real KV-cache manager."""
-    from collections import defaultdict
-    from types import SimpleNamespace
-
-    from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    scheduler = object.__new__(cls)
-    scheduler.__dict__.update(
-        requests={request.request_id: request for request in requests},
-        running=list(requests),
-        kv_cache_manager=(allocate_slots._small_manager(enable_caching) if manager is None
-                          else manager),
-        max_model_len=64, num_spec_tokens=0, num_sampled_tokens_per_step=1,
-        defer_block_free=False, perf_metrics=None, connector=None, ec_connector=None,
-        aux_output_connector=None, return_sampling_mask=False, is_mm_encoder_only=False,
-        structured_output_manager=SimpleNamespace(
-            accept_tokens=lambda request, tokens: StructuredOutputManager.accept_tokens(
-                None, request, tokens)),  # its early return for plain requests
-        grammar_compile_error_reqs={}, encoder_cache_mismatch_reqs=set(),
-        recompute_kv_load_failures=True, log_stats=False,
-        finished_req_ids_dict=defaultdict(set), finished_req_ids=set(),
-        kv_event_publisher=None, waiting=None, kv_holding_waiting=None,
-        async_kv_waiting=None, deferred_waiting=set(), spec_decode_metrics_level=None,
-        # vLLM 0.34 reads these (the Mamba caching rule; watermarking, for a
-        # request that reports prefill stats)
-        has_mamba_layers=False, vllm_config=SimpleNamespace(watermark_config=None),
-        _parked_reservations={}, _parked_reserved_blocks=0,  # (freeing a request)
-        _inflight_prefills=set(), _kv_fetch_stages=None, _pending_encoder_input_ids={},
-        encoder_cache_manager=EncoderCacheManager(cache_size=0), deferred_frees=[],
-        sched_step_seq=0, processed_step_seq=0)
-    return scheduler
-
-
-def _stand_in_requests() -> list[Any]:
-    """Requests that cross block boundaries and stop in every way: by
-    max_tokens, a stop token, EOS, and one that must pass min_tokens first;
-    three of them with sample logprobs (1, 0 and -1: the whole vocabulary)."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    requests = []
-    for index, (max_tokens, stop, min_tokens, logprobs) in enumerate(
-            [(9, [], 0, None), (20, [31], 0, 1), (20, [], 0, 0), (20, [], 6, -1)]):
-        params = SamplingParams(max_tokens=max_tokens, stop_token_ids=stop,
-                                min_tokens=min_tokens, logprobs=logprobs)
-        params.update_from_generation_config({}, 2)  # EOS = 2
-        requests.append(Request(
-            request_id=f"r{index}", prompt_token_ids=[5, 6, 7, 8, 9, 10][:3 + index],
-            sampling_params=params, pooling_params=None, arrival_time=0.0,
-            block_hasher=get_request_block_hasher(4, sha256)))
-    return requests
-
-
-class StandInGrammar:
-    """A grammar that accepts every token but those it ``refuses``, and keeps
-    the tokens it accepted (the activation check's; the tests' lockstep
-    extends it)."""
-
-    def __init__(self, refuses: tuple[int, ...]) -> None:
-        self.refuses, self.accepted = refuses, []
-
-    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
-        if any(token in self.refuses for token in tokens):
-            return False
-        self.accepted.extend(tokens)
-        return True
-
-
-def _with_stand_in_grammars(scheduler: Any) -> None:
-    """Requests r1 and r3 get a grammar (r3's refuses token 20, its fifth),
-    advanced through vLLM's own ``StructuredOutputManager.accept_tokens``."""
-    from vllm.sampling_params import StructuredOutputsParams
-    from vllm.v1.structured_output import StructuredOutputManager
-    from vllm.v1.structured_output.request import StructuredOutputRequest
-
-    manager = object.__new__(StructuredOutputManager)
-    manager.enable_in_reasoning = True  # every token is the grammar's
-    scheduler.structured_output_manager = manager
-    for request_id, refuses in (("r1", ()), ("r3", (20,))):
-        scheduler.requests[request_id].structured_output_request = StructuredOutputRequest(
-            params=StructuredOutputsParams(regex="[a-z]*"), _grammar=StandInGrammar(refuses))
-
-
 def _not_a_planted_refusal(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("Unexpected: grammar rejected tokens")
 
@@ -1213,7 +1050,7 @@ def _side_state(scheduler: Any, outputs: Any) -> Any:
     import msgspec
 
     def plain(output: Any) -> Any:
-        return {key: _plain(value) if key == "new_logprobs" else value
+        return {key: plain(value) if key == "new_logprobs" else value
                 for key, value in msgspec.structs.asdict(output).items()
                 if key != "timestamp"}
 
@@ -1228,7 +1065,7 @@ def _side_state(scheduler: Any, outputs: Any) -> Any:
                        None))
          for rid, r in scheduler.requests.items()},
         [r.request_id for r in scheduler.running],
-        allocate_slots.kv_manager_state(scheduler.kv_cache_manager),
+        kv_manager_state(scheduler.kv_cache_manager),
     )
 
 
@@ -1249,14 +1086,7 @@ def _stand_in_logprobs(numpy: Any, logprobs_lists: Any, step: int, num_rows: int
 
 def _fast_outputs() -> int:
     """The requests the fast path (compiled, or its twin) has taken."""
-    from fastbatch import _reference
-
-    count = _reference.update_from_output.stats()["fast_outputs"]
-    if fastbatch.COMPILED:
-        from fastbatch._kernels import update_from_output as kernel
-
-        count += kernel.stats()["fast_outputs"]
-    return count
+    return registry.implementation("update_from_output").stats()["fast_outputs"]
 
 
 def _runner_output(model_runner_output: Any, req_ids: list[str], sampled: list[list[int]],
@@ -1288,7 +1118,7 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     taken_before = _fast_outputs()
     assert _SCHEDULERS is not None
     # The compiled call reads and writes these through the request's dict.
-    problem = instance_dict_problem(_stand_in_requests()[0], REQUEST_ATTRIBUTES)
+    problem = instance_dict_problem(stand_in_requests()[0], REQUEST_ATTRIBUTES)
     if problem is not None:
         return problem
     # Request i samples tokens[(step + 3 * i) % 24]: a stop token (31) and EOS (2)
@@ -1298,10 +1128,10 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     for cls in _SCHEDULERS:
         asynchronous = cls is _SCHEDULERS[1]
         for enable_caching in (True, False):
-            sides = [_stand_in_scheduler(cls, enable_caching, _stand_in_requests())
+            sides = [stand_in_scheduler(cls, enable_caching, stand_in_requests())
                      for _ in range(2)]
             for scheduler in sides:
-                _with_stand_in_grammars(scheduler)
+                with_stand_in_grammars(scheduler)
             for step in range(24):
                 states = []
                 for scheduler, update in zip(sides, (method, replacement), strict=True):
