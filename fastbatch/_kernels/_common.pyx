@@ -24,7 +24,6 @@ from libc.stdint cimport int32_t, int64_t
 from fastbatch._kernels._prefetch cimport prefetch_read
 
 
-
 cdef bint LITTLE_ENDIAN = sys.byteorder == "little"
 cdef PyObject** _token_table = NULL
 

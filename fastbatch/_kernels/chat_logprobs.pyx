@@ -27,9 +27,9 @@ from fastbatch._kernels._common cimport (
     Py_INCREF,
     list_set_item,
 )
-from fastbatch._kernels._common cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyLong_FromLong, PyObject_GC_UnTrack, PyUnicode_AsEncodedString
-
-
+from fastbatch._kernels._common cimport (
+    PyBytes_AS_STRING, PyBytes_GET_SIZE, PyLong_FromLong, PyObject_GC_UnTrack,
+    PyUnicode_AsEncodedString)
 
 # Process-wide counters, read with stats().
 cdef uint64_t _calls = 0

@@ -40,7 +40,8 @@ from array import array as _array
 from fastbatch._kernels._common cimport (
     Py_None, Py_SIZE, PyDict_GetItemWithError, PyList_CheckExact, PyLong_CheckExact,
     ScheduledPrefetch, long_as_compact)
-from fastbatch._kernels._common cimport PY_SSIZE_T_MAX, PyDict_Next, PyObject_GenericGetDict, PySequence_Contains
+from fastbatch._kernels._common cimport (
+    PY_SSIZE_T_MAX, PyDict_Next, PyObject_GenericGetDict, PySequence_Contains)
 
 cdef extern from *:
     """
