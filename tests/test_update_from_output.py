@@ -563,7 +563,7 @@ def _plain(result, scheduler):
         slots, rest = result
         result = ([slot if type(slot) is str else patch._plain(slot) for slot in slots],
                   rest)
-    return result, patch._side_state(scheduler, {})
+    return result, _stand_ins.side_state(scheduler, {})
 
 
 def assert_same_slice(ours, theirs):
@@ -663,7 +663,8 @@ def test_logprob_requests_are_taken_as_vllm_slices_them(monkeypatch, implementat
                                                          runner_logprobs, logprobs):
     (stock, fast), (stock_result, fast_result) = _one_step(
         monkeypatch, implementation, cls, DECODES, logprobs, runner_logprobs)
-    assert patch._side_state(fast[0], fast_result) == patch._side_state(stock[0], stock_result)
+    assert (_stand_ins.side_state(fast[0], fast_result)
+            == _stand_ins.side_state(stock[0], stock_result))
     assert implementation.update_from_output.stats() == {"fast_outputs": 4,
                                                          "stock_outputs": 0}
     runner = fast[2]
@@ -682,7 +683,8 @@ def test_logprob_requests_are_taken_as_vllm_slices_them(monkeypatch, implementat
 def test_logprob_requests_that_stop_go_to_vllm(monkeypatch, implementation, runner_logprobs):
     (stock, fast), (stock_result, fast_result) = _one_step(
         monkeypatch, implementation, AsyncScheduler, STOPS, (1, 5, None, -1), runner_logprobs)
-    assert patch._side_state(fast[0], fast_result) == patch._side_state(stock[0], stock_result)
+    assert (_stand_ins.side_state(fast[0], fast_result)
+            == _stand_ins.side_state(stock[0], stock_result))
     assert implementation.update_from_output.stats() == {"fast_outputs": 2,
                                                          "stock_outputs": 2}
     stopped = [output for output in fast_result[0].outputs if output.finish_reason is not None]
@@ -714,7 +716,8 @@ def test_structured_output_requests_go_to_vllm(monkeypatch, implementation, cls)
 
     (stock, fast), (stock_result, fast_result) = _one_step(
         monkeypatch, implementation, cls, DECODES, None, "none", with_grammars)
-    assert patch._side_state(fast[0], fast_result) == patch._side_state(stock[0], stock_result)
+    assert (_stand_ins.side_state(fast[0], fast_result)
+            == _stand_ins.side_state(stock[0], stock_result))
     assert advanced[1] == advanced[0] and [rid for rid, _ in advanced[0]] == ["r0", "r2"]
     assert implementation.update_from_output.stats() == {"fast_outputs": 2,
                                                          "stock_outputs": 2}
@@ -730,14 +733,14 @@ def _same_step(stock, fast, stock_result, fast_result):
 
 
 def _side_state(scheduler, result):
-    """``patch._side_state`` of a scheduler that may lack some of its state
+    """``_stand_ins.side_state`` of a scheduler that may lack some of its state
     (a Mock or nothing in its place: compared as the same stand-in)."""
     view = copy.copy(scheduler)
     if type(getattr(view, "running", None)) is not list:
         view.running = []
     if type(getattr(view, "kv_cache_manager", None)) is not type(lockstep_manager()):
         view.kv_cache_manager = lockstep_manager()
-    return patch._side_state(view, result)
+    return _stand_ins.side_state(view, result)
 
 
 def lockstep_manager():
@@ -954,7 +957,7 @@ def test_logprobs_the_fast_path_cannot_slice_go_to_vllm(monkeypatch, implementat
         assert type(fast_result) is type(stock_result)
         assert str(fast_result) == str(stock_result)
     else:
-        assert patch._side_state(fast[0], fast_result) == patch._side_state(stock[0],
+        assert _stand_ins.side_state(fast[0], fast_result) == _stand_ins.side_state(stock[0],
                                                                             stock_result)
     left = 1 if runner_logprobs in ("cu-short", "cu-not-int") else 3
     assert counters == {"fast_outputs": 4 - left, "stock_outputs": left}

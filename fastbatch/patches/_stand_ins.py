@@ -5,9 +5,13 @@ state as plain data.  Each imports vLLM's classes when called."""
 
 from __future__ import annotations
 
+import contextlib
 import dis
-from types import SimpleNamespace
+import logging
+from types import MethodType, SimpleNamespace
 from typing import Any
+
+from fastbatch.patches._compare import plain
 
 
 def kv_manager_state(manager: Any) -> Any:
@@ -229,3 +233,97 @@ def with_stand_in_grammars(scheduler: Any) -> None:
     for request_id, refuses in (("r1", ()), ("r3", (20,))):
         scheduler.requests[request_id].structured_output_request = StructuredOutputRequest(
             params=StructuredOutputsParams(regex="[a-z]*"), _grammar=StandInGrammar(refuses))
+
+
+def running_scheduler(cls: Any, allocate: Any, batch: tuple[tuple[Any, ...], ...], *,
+                      block_size: int, max_model_len: int, lookahead: int,
+                      prefill_lookahead: int, budget: int, defer_prefills: bool = False) -> Any:
+    """A scheduler of class ``cls`` (built without ``__init__``: the
+    attributes ``schedule``'s running loop reads) over a small real KV-cache
+    manager (prefix caching on, ``allocate`` its ``allocate_slots``) holding
+    the blocks of ``batch``'s requests (rows: ``scheduled_request``'s
+    arguments), and the loop's locals."""
+    import torch
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    config = KVCacheConfig(num_blocks=12 * len(batch), kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1,
+                                                      head_size=1, dtype=torch.float32))])
+    manager = KVCacheManager(config, max_model_len=max_model_len,
+                             scheduler_block_size=block_size, hash_block_size=block_size,
+                             enable_caching=True)
+    manager.allocate_slots = MethodType(allocate, manager)
+    scheduler = cls.__new__(cls)
+    scheduler.running = [scheduled_request(*row, block_size=block_size) for row in batch]
+    scheduler.kv_cache_manager = manager
+    scheduler.ec_connector, scheduler.need_mamba_block_aligned_split = None, False
+    scheduler.current_step, scheduler.max_model_len = 5, max_model_len
+    scheduler.num_sampled_tokens_per_step = 1
+    scheduler.num_prefill_lookahead, scheduler.num_lookahead_tokens = prefill_lookahead, lookahead
+    (single,) = manager.coordinator.single_type_managers
+    pool = manager.block_pool
+    for request in scheduler.running:
+        held = -(-(request.num_computed_tokens + 1) // single.block_size)
+        single.req_to_blocks[request.request_id] = pool.get_new_blocks(held)
+        single.num_cached_block[request.request_id] = 0
+    return scheduler, {
+        "req_index": 0, "token_budget": budget, "input_budget": budget + 40,
+        "draft_slots": lookahead, "long_prefill_token_threshold": 8,
+        "defer_prefills": defer_prefills, "prefill_scheduled": False, "drafts_needed": False}
+
+
+def _not_a_planted_refusal(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Unexpected: grammar rejected tokens")
+
+
+@contextlib.contextmanager
+def planted_refusals_unlogged(module: str) -> Any:
+    """vLLM's loop (of ``module``) logs a refusal as an error: the activation
+    check's own are planted, and not logged."""
+    scheduler_logger = logging.getLogger(module)
+    scheduler_logger.addFilter(_not_a_planted_refusal)
+    try:
+        yield
+    finally:
+        scheduler_logger.removeFilter(_not_a_planted_refusal)
+
+
+def side_state(scheduler: Any, outputs: Any) -> Any:
+    """What ``update_from_output`` left in a stand-in scheduler and returned,
+    as plain data (the activation check compares stock's and fastbatch's)."""
+    import msgspec
+
+    def fields(output: Any) -> Any:
+        return {key: plain(value) if key == "new_logprobs" else value
+                for key, value in msgspec.structs.asdict(output).items()
+                if key != "timestamp"}
+
+    return (
+        {client: {**fields(eco), "outputs": [fields(out) for out in eco.outputs]}
+         for client, eco in outputs.items()},
+        list(outputs),
+        {rid: (r.status, r.stop_reason, list(r._all_token_ids), list(r._output_token_ids),
+               r.num_computed_tokens, r.num_output_placeholders, r.num_in_flight_tokens,
+               list(r.block_hashes),
+               getattr(getattr(r.structured_output_request, "_grammar", None), "accepted",
+                       None))
+         for rid, r in scheduler.requests.items()},
+        [r.request_id for r in scheduler.running],
+        kv_manager_state(scheduler.kv_cache_manager),
+    )
+
+
+def stand_in_logprobs(numpy: Any, logprobs_lists: Any, step: int, num_rows: int) -> Any:
+    """The step's sample logprobs: none (every third step), or one row per
+    request (strided views), found by row or (every other time) through
+    ``cu_num_generated_tokens`` past a row of another request."""
+    if step % 3 == 0:
+        return None
+    shift = step % 3 - 1  # 0: cu_num_generated_tokens None; 1: rows shifted by one
+    rows = num_rows + shift
+    values = numpy.arange(rows * 12, dtype=numpy.float32).reshape(rows, 12) * -0.5 - step
+    ids = numpy.arange(rows * 12, dtype=numpy.int32).reshape(rows, 12) + step
+    return logprobs_lists(ids[:, ::2], values[:, 1::2],
+                          numpy.arange(rows, dtype=numpy.int64) + step,
+                          list(range(shift, rows)) if shift else None)

@@ -97,14 +97,13 @@ import contextlib
 import copy
 import random
 import sys
-from types import MethodType
 from typing import Any
 
 import fastbatch
 from fastbatch import _verify, registry
 from fastbatch.patches._patch import Patch, Shadow, instance_dict_problem
 from fastbatch.patches._source import assigned, compile_in_module, function_tree
-from fastbatch.patches._stand_ins import kv_manager_state, scheduled_request
+from fastbatch.patches._stand_ins import kv_manager_state, running_scheduler, scheduled_request
 
 GROUP = "scheduler"  # fastbatch.registry.GROUPS
 
@@ -359,41 +358,11 @@ _BATCH = (
 _BLOCK_SIZE, _MAX_MODEL_LEN = 4, 128
 
 
-def _small_scheduler(cls: Any, allocate: Any, *, lookahead: int, prefill_lookahead: int,
-                     budget: int, defer_prefills: bool = False,
-                     batch: tuple[tuple[Any, ...], ...] = _BATCH) -> Any:
-    """A scheduler of class ``cls`` (built without ``__init__``: the
-    attributes the loop reads) over a small real KV-cache manager (prefix
-    caching on, ``allocate`` its ``allocate_slots``) holding the blocks of
-    ``batch``'s requests (rows as ``_BATCH``'s), and the loop's locals."""
-    import torch
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    config = KVCacheConfig(num_blocks=12 * len(batch), kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=_BLOCK_SIZE, num_kv_heads=1,
-                                                      head_size=1, dtype=torch.float32))])
-    manager = KVCacheManager(config, max_model_len=_MAX_MODEL_LEN,
-                             scheduler_block_size=_BLOCK_SIZE, hash_block_size=_BLOCK_SIZE,
-                             enable_caching=True)
-    manager.allocate_slots = MethodType(allocate, manager)
-    scheduler = cls.__new__(cls)
-    scheduler.running = [scheduled_request(*row, block_size=_BLOCK_SIZE) for row in batch]
-    scheduler.kv_cache_manager = manager
-    scheduler.ec_connector, scheduler.need_mamba_block_aligned_split = None, False
-    scheduler.current_step, scheduler.max_model_len = 5, _MAX_MODEL_LEN
-    scheduler.num_sampled_tokens_per_step = 1
-    scheduler.num_prefill_lookahead, scheduler.num_lookahead_tokens = prefill_lookahead, lookahead
-    (single,) = manager.coordinator.single_type_managers
-    pool = manager.block_pool
-    for request in scheduler.running:
-        held = -(-(request.num_computed_tokens + 1) // single.block_size)
-        single.req_to_blocks[request.request_id] = pool.get_new_blocks(held)
-        single.num_cached_block[request.request_id] = 0
-    return scheduler, {
-        "req_index": 0, "token_budget": budget, "input_budget": budget + 40,
-        "draft_slots": lookahead, "long_prefill_token_threshold": 8,
-        "defer_prefills": defer_prefills, "prefill_scheduled": False, "drafts_needed": False}
+def _small_scheduler(cls: Any, allocate: Any, *, batch: tuple[tuple[Any, ...], ...] = _BATCH,
+                     **settings: Any) -> Any:
+    """``_stand_ins.running_scheduler`` of ``batch`` (rows as ``_BATCH``'s)."""
+    return running_scheduler(cls, allocate, batch, block_size=_BLOCK_SIZE,
+                             max_model_len=_MAX_MODEL_LEN, **settings)
 
 
 def _loop_state(scheduler: Any, locals_: dict[str, Any]) -> Any:

@@ -97,23 +97,32 @@ given it); a wrong merge only has its output list put back in order.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
 import dataclasses
-import enum
 import logging
-import weakref
 from array import array
 from types import SimpleNamespace
 from typing import Any
 
 import fastbatch
 from fastbatch import registry
-from fastbatch.patches._compare import first_difference, plain
+from fastbatch.patches._compare import (
+    COPIED_LISTS,
+    copy_request,
+    first_difference,
+    hasher_description,
+    kv_calls,
+    kv_probe,
+    kv_view,
+    plain,
+    request_state,
+)
 from fastbatch.patches._patch import Patch, Shadow, instance_dict_problem
 from fastbatch.patches._stand_ins import (
-    kv_manager_state,
+    planted_refusals_unlogged,
+    side_state,
+    stand_in_logprobs,
     stand_in_requests,
     stand_in_scheduler,
     with_stand_in_grammars,
@@ -535,227 +544,9 @@ def update_from_output(self: Any, scheduler_output: Any,
 # On a difference the compiled call's writes are undone and vLLM's method
 # runs on the whole step, so the state after the call is exactly stock's.
 
-# Request attributes vLLM's method may change in place: copied for the shadow
-# (the rest of a request is shared with its copy and compared by identity).
-_COPIED_LISTS = ("_output_token_ids", "_all_token_ids", "block_hashes", "events",
-                 "spec_token_ids")
-_COPIED_DEEP = ("prefill_stats", "spec_decode_metrics", "streaming_queue",
-                "_prompt_embeds_per_block_hashes")
-_TOKEN_LISTS = ("_output_token_ids", "_all_token_ids", "block_hashes")
-_VIEWS = {"output_token_ids": "_output_token_ids", "all_token_ids": "_all_token_ids"}
 _SCHEDULER_SETTINGS = ("max_model_len", "num_spec_tokens", "num_sampled_tokens_per_step",
                        "is_mm_encoder_only", "spec_decode_metrics_level",
                        "recompute_kv_load_failures", "has_mamba_layers")
-_SCALAR_TYPES = frozenset((type(None), bool, int, float, str, bytes))
-_HASHER = "vllm request_block_hasher"
-_HASHERS: dict[tuple[Any, ...], Any] = {}
-
-
-class _BlockRef:
-    """A KV-cache block of the shadow's copy of the manager: its id only."""
-
-    __slots__ = ("block_id",)
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-
-
-class _BlockPoolProbe:
-    """The block pool of the shadow's copy of the KV-cache manager: the pool's
-    settings, and a record of every call made to it (none is carried out)."""
-
-    SETTINGS = ("num_gpu_blocks", "medium", "enable_caching", "hash_block_size",
-                "num_hash_lookahead_tokens", "enable_kv_cache_events")
-
-    def __init__(self, pool: Any) -> None:
-        for name in self.SETTINGS:
-            if hasattr(pool, name):
-                setattr(self, name, getattr(pool, name))
-        self.calls: list[Any] = []
-
-    def take_events(self) -> list[Any]:
-        return []
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in self.SETTINGS or name == "calls":
-            raise AttributeError(name)
-
-        def record(*args: Any, **kwargs: Any) -> None:
-            self.calls.append((name, plain(args), plain(kwargs)))
-
-        return record
-
-
-def _same(block: Any) -> Any:
-    return block
-
-
-def _block_ref(block: Any) -> _BlockRef:
-    return block if type(block) is _BlockRef else _BlockRef(block.block_id)
-
-
-def _kv_probe(manager: Any, request_ids: Any = None, detach: bool = False) -> Any:
-    """A copy of the KV-cache manager (of ``request_ids``' part of it, or all
-    of a probe's) whose block pool only records: what vLLM's ``cache_blocks``
-    and ``free`` would change is seen in the copy, nothing in vLLM's own.  The
-    copy's block tables hold the very blocks (the calls that would change
-    them are only recorded), or with ``detach`` their ids (for pickling)."""
-    block_ref = _block_ref if detach else _same
-    live_pool = manager.block_pool
-    pool = _BlockPoolProbe(live_pool)
-    probe = copy.copy(manager)
-    probe.block_pool = pool
-    if getattr(probe, "metrics_collector", None) is not None:
-        probe.metrics_collector = None
-    coordinator = copy.copy(manager.coordinator)
-    coordinator.block_pool = pool
-    singles = []
-    for single in manager.coordinator.single_type_managers:
-        clone = copy.copy(single)
-        state = vars(clone)
-        for name, value in list(state.items()):
-            if value is live_pool:
-                state[name] = pool
-            elif type(getattr(value, "block_id", None)) is int:  # the null block
-                state[name] = value = copy.copy(value)
-                for link in ("prev_free_block", "next_free_block"):
-                    if hasattr(value, link):
-                        setattr(value, link, None)  # not the free queue's chain
-                owner = getattr(value, "pool", None)
-                if owner is live_pool:
-                    value.pool = pool
-                elif isinstance(owner, weakref.ref) and owner() is live_pool:  # vLLM 0.34
-                    value.pool = None if detach else weakref.ref(pool)
-            elif type(value) is list:
-                state[name] = []  # records of this step (new blocks, pending copies)
-        blocks, cached = single.req_to_blocks, single.num_cached_block
-        partial = getattr(single, "_partial_hit_reqs", {})
-        ids = list(blocks) if request_ids is None else request_ids
-        clone.req_to_blocks = collections.defaultdict(list, {
-            rid: [block_ref(block) for block in blocks[rid]] if detach else list(blocks[rid])
-            for rid in ids if rid in blocks})
-        ids = list(cached) if request_ids is None else request_ids
-        clone.num_cached_block = {rid: cached[rid] for rid in ids if rid in cached}
-        if hasattr(single, "_partial_hit_reqs"):
-            ids = list(partial) if request_ids is None else request_ids
-            clone._partial_hit_reqs = {rid: (partial[rid][0], block_ref(partial[rid][1]))
-                                       for rid in ids if rid in partial}
-        singles.append(clone)
-    coordinator.single_type_managers = tuple(singles)
-    probe.coordinator = coordinator
-    return probe
-
-
-def _kv_view(manager: Any, request_ids: list[str]) -> Any:
-    """Per single-type manager, what it keeps of each request: cached block
-    count, block ids, partial hit."""
-    view = []
-    for single in manager.coordinator.single_type_managers:
-        blocks, partial = single.req_to_blocks, getattr(single, "_partial_hit_reqs", {})
-        view.append({rid: (single.num_cached_block.get(rid),
-                           [block.block_id for block in blocks[rid]] if rid in blocks else None,
-                           plain(partial.get(rid)))
-                     for rid in request_ids})
-    return view
-
-
-def _kv_calls(manager: Any) -> list[Any]:
-    """What the shadow's copy of the KV-cache manager was asked to do."""
-    calls = list(manager.block_pool.calls)
-    for index, single in enumerate(manager.coordinator.single_type_managers):
-        for name, value in vars(single).items():
-            if type(value) is list and value:
-                calls.append((f"group {index} {name}", plain(value)))
-    return calls
-
-
-def _hasher_description(hasher: Any) -> Any:
-    """vLLM's block hasher as picklable data (rebuilt on replay), or as is."""
-    code = getattr(hasher, "__code__", None)
-    if code is None or hasher.__closure__ is None:
-        return hasher
-    cells = dict(zip(code.co_freevars, [cell.cell_contents for cell in hasher.__closure__],
-                     strict=True))
-    if "hash_block_size" not in cells or "caching_hash_fn" not in cells:
-        return hasher
-    return (_HASHER, cells["hash_block_size"], cells["caching_hash_fn"],
-            cells.get("num_hash_lookahead_tokens", 0))
-
-
-def _rebuild_hasher(description: tuple[Any, ...]) -> Any:
-    hasher = _HASHERS.get(description)
-    if hasher is None:
-        from vllm.v1.core import kv_cache_utils
-
-        _, block_size, hash_fn, lookahead = description
-        if getattr(kv_cache_utils, "NONE_HASH", None) is None:
-            kv_cache_utils.init_none_hash(hash_fn)
-        hasher = (kv_cache_utils.get_request_block_hasher(block_size, hash_fn, lookahead)
-                  if lookahead else kv_cache_utils.get_request_block_hasher(block_size, hash_fn))
-        _HASHERS[description] = hasher
-    return hasher
-
-
-def _copy_tokens(tokens: array) -> array:
-    """A copy of an ``array`` of token ids, of its own type (``copy.copy``
-    gives a plain ``array``; a subclass's constructor may take other arguments)."""
-    clone = array.__new__(type(tokens), tokens.typecode)
-    array.extend(clone, tokens)
-    return clone
-
-
-def _copy_request(request: Any) -> Any:
-    """A copy of ``request`` that vLLM's method can change freely: its lists
-    and per-request records copied, everything else shared."""
-    from vllm.v1.utils import ConstantList
-
-    clone = copy.copy(request)
-    state = vars(clone)
-    for name in _COPIED_LISTS:
-        if type(state.get(name)) is list:
-            state[name] = list(state[name])
-        elif isinstance(state.get(name), array):  # a TokenBuffer: its own type
-            state[name] = _copy_tokens(state[name])
-    for name in _COPIED_DEEP:
-        if state.get(name) is not None:
-            state[name] = copy.deepcopy(state[name])
-    for view, name in _VIEWS.items():
-        if view in state and isinstance(state.get(name), (list, array)):
-            state[view] = ConstantList(state[name])
-    hasher = state.get("_block_hasher")
-    if type(hasher) is tuple and hasher[:1] == (_HASHER,):
-        state["_block_hasher"] = _rebuild_hasher(hasher)
-    return clone
-
-
-def _is_scalar(value: Any) -> bool:
-    return value is None or isinstance(value, (bool, int, float, str, bytes, enum.Enum))
-
-
-def _request_state(request: Any) -> dict[str, Any]:
-    """Every instance attribute of ``request``: the copied ones by value, the
-    token-list views by whether they still show the request's lists, scalars
-    by value, any other object by identity (it is shared with the copy)."""
-    state = vars(request)
-    out: dict[str, Any] = {}
-    for name, value in state.items():
-        if name in _VIEWS:
-            out[name] = getattr(value, "_x", None) is state.get(_VIEWS[name])
-        elif name in _TOKEN_LISTS and type(value) is list:
-            out[name] = list(value)  # ints (hashes: bytes): compared as they are
-        elif name in _TOKEN_LISTS and isinstance(value, array):
-            out[name] = plain(value)
-        elif name == "_block_hasher":
-            continue  # read only; rebuilt on replay
-        elif type(value) in _SCALAR_TYPES:
-            out[name] = value
-        elif name in _COPIED_LISTS or name in _COPIED_DEEP or _is_scalar(value):
-            out[name] = plain(value)
-        else:
-            out[name] = ("the same object", id(value))
-    return out
-
-
 def _exact_output(output: Any) -> Any:
     """An ``EngineCoreOutput`` as compared: as is, or as plain data if it
     holds arrays (its sample logprobs)."""
@@ -784,11 +575,11 @@ def _outcome_of(scheduler: Any, taken: list[str], requests: dict[str, Any],
                                            for output in own},
                                "finished": done}
     return {
-        "requests": {rid: (_request_state(requests[rid]), id(requests[rid]) in running,
+        "requests": {rid: (request_state(requests[rid]), id(requests[rid]) in running,
                            registered.get(rid) is requests[rid], rid in finished)
                      for rid in taken},
         "outputs": outputs,
-        "kv": _kv_view(scheduler.kv_cache_manager, taken),
+        "kv": kv_view(scheduler.kv_cache_manager, taken),
         "kv_calls": kv_calls,
     }
 
@@ -807,7 +598,7 @@ def _snapshot(scheduler: Any, scheduler_output: Any, model_runner_output: Any) -
     for rid in scheduler_output.num_scheduled_tokens:
         request = requests.get(rid)
         if request is not None and hasattr(request, "__dict__"):
-            saved[rid] = (request, dict(vars(request)), _copy_request(request))
+            saved[rid] = (request, dict(vars(request)), copy_request(request))
     rows = model_runner_output.sampled_token_ids
     runner = copy.copy(model_runner_output)
     runner.sampled_token_ids = [list(row) if type(row) is list else row for row in rows]
@@ -841,9 +632,9 @@ def _run(function: Any, inputs: dict[str, Any]) -> Any:
     memo = inputs.get("memo")
     if memo is not None and memo[0] is function:
         return memo[1]
-    requests = [_copy_request(inputs["requests"][rid]) for rid in taken]
+    requests = [copy_request(inputs["requests"][rid]) for rid in taken]
     scheduler = stand_in_scheduler(inputs["cls"], True, requests,
-                                    manager=_kv_probe(inputs["kv"]))
+                                    manager=kv_probe(inputs["kv"]))
     scheduler.__dict__.update(inputs["settings"])
     scheduled = {rid: inputs["scheduled"][rid] for rid in taken}
     scheduler_output = SimpleNamespace(
@@ -885,7 +676,7 @@ def _run(function: Any, inputs: dict[str, Any]) -> Any:
     except Exception as exc:  # a plain outcome: FASTBATCH_VERIFY must not raise it
         return {"raised": f"{type(exc).__name__}: {exc}"}
     outcome = _outcome_of(scheduler, taken, {request.request_id: request for request in requests},
-                          results, _kv_calls(scheduler.kv_cache_manager))
+                          results, kv_calls(scheduler.kv_cache_manager))
     outcome["grammar"] = grammar_calls
     if function is _STOCK:
         outcome["drafts_counted"] = counted
@@ -900,12 +691,12 @@ def _check_taken(check: dict[str, Any], slots: list[Any], rest: dict[str, Any]) 
         taken = [rid for rid in scheduler_output.num_scheduled_tokens if rid not in rest]
         outputs = [slot for slot in slots if type(slot) is not str]
         check["taken"], check["slot_outputs"] = taken, outputs
-        check["kv"] = _kv_probe(scheduler.kv_cache_manager, taken)
+        check["kv"] = kv_probe(scheduler.kv_cache_manager, taken)
         ours = _outcome_of(scheduler, taken, {rid: saved[rid][0] for rid in taken},
                            {0: SimpleNamespace(outputs=outputs, finished_requests=None)}, [])
         ours["untouched"] = [rid for rid, (request, _, clone) in saved.items()
                              if rid not in ours["requests"]
-                             and _request_state(request) != _request_state(clone)]
+                             and request_state(request) != request_state(clone)]
         ours["drafts_counted"] = drafts_counted(scheduler_output, check["live"][2], taken)
         wanted = set(taken)
         ours["grammar"] = [(rid, tokens) for rid, tokens, _ in check.get("accepted", ())
@@ -932,7 +723,7 @@ def _undo_take(check: dict[str, Any]) -> None:
         state.clear()
         state.update(attributes)
         copied = vars(clone)
-        for name in _COPIED_LISTS:
+        for name in COPIED_LISTS:
             if type(attributes.get(name)) is list or isinstance(attributes.get(name), array):
                 attributes[name][:] = copied[name]
         table = attributes.get("_prompt_embeds_per_block_hashes")
@@ -1018,70 +809,16 @@ def _for_reproducer(inputs: dict[str, Any]) -> dict[str, Any]:
         hasher = vars(clone).get("_block_hasher")
         if hasher is not None:
             with contextlib.suppress(Exception):  # else as is: it may not pickle
-                clone._block_hasher = _hasher_description(hasher)
+                clone._block_hasher = hasher_description(hasher)
         requests[rid] = clone
     kept["requests"] = requests
     if kept.get("kv") is not None:
-        kept["kv"] = _kv_probe(kept["kv"], detach=True)
+        kept["kv"] = kv_probe(kept["kv"], detach=True)
     return kept
 
 
 SHADOW = Shadow(snapshot=_snapshot, run=_run, outcome=_outcome, restore=_restore,
                 compare=_compare, for_reproducer=_for_reproducer)
-
-
-def _not_a_planted_refusal(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith("Unexpected: grammar rejected tokens")
-
-
-@contextlib.contextmanager
-def _planted_refusals_unlogged() -> Any:
-    """vLLM's loop logs a refusal as an error: the activation check's own are
-    planted, and not logged."""
-    scheduler_logger = logging.getLogger(MODULE)
-    scheduler_logger.addFilter(_not_a_planted_refusal)
-    try:
-        yield
-    finally:
-        scheduler_logger.removeFilter(_not_a_planted_refusal)
-
-
-def _side_state(scheduler: Any, outputs: Any) -> Any:
-    import msgspec
-
-    def plain(output: Any) -> Any:
-        return {key: plain(value) if key == "new_logprobs" else value
-                for key, value in msgspec.structs.asdict(output).items()
-                if key != "timestamp"}
-
-    return (
-        {client: {**plain(eco), "outputs": [plain(out) for out in eco.outputs]}
-         for client, eco in outputs.items()},
-        list(outputs),
-        {rid: (r.status, r.stop_reason, list(r._all_token_ids), list(r._output_token_ids),
-               r.num_computed_tokens, r.num_output_placeholders, r.num_in_flight_tokens,
-               list(r.block_hashes),
-               getattr(getattr(r.structured_output_request, "_grammar", None), "accepted",
-                       None))
-         for rid, r in scheduler.requests.items()},
-        [r.request_id for r in scheduler.running],
-        kv_manager_state(scheduler.kv_cache_manager),
-    )
-
-
-def _stand_in_logprobs(numpy: Any, logprobs_lists: Any, step: int, num_rows: int) -> Any:
-    """The step's sample logprobs: none (every third step), or one row per
-    request (strided views), found by row or (every other time) through
-    ``cu_num_generated_tokens`` past a row of another request."""
-    if step % 3 == 0:
-        return None
-    shift = step % 3 - 1  # 0: cu_num_generated_tokens None; 1: rows shifted by one
-    rows = num_rows + shift
-    values = numpy.arange(rows * 12, dtype=numpy.float32).reshape(rows, 12) * -0.5 - step
-    ids = numpy.arange(rows * 12, dtype=numpy.int32).reshape(rows, 12) + step
-    return logprobs_lists(ids[:, ::2], values[:, 1::2],
-                          numpy.arange(rows, dtype=numpy.int64) + step,
-                          list(range(shift, rows)) if shift else None)
 
 
 def _fast_outputs() -> int:
@@ -1155,14 +892,14 @@ def activation_check(method: Any, replacement: Any) -> str | None:
                     runner_output = _runner_output(
                         ModelRunnerOutput, req_ids,
                         [[tokens[(step + 3 * int(rid[1:])) % len(tokens)]] for rid in req_ids],
-                        _stand_in_logprobs(numpy, LogprobsLists, step, len(req_ids)))
+                        stand_in_logprobs(numpy, LogprobsLists, step, len(req_ids)))
                     scheduler_output = SimpleNamespace(
                         num_scheduled_tokens=scheduled, scheduled_spec_decode_tokens={},
                         total_num_scheduled_tokens=sum(scheduled.values()),
                         num_invalid_spec_tokens=None)
-                    with _planted_refusals_unlogged():
+                    with planted_refusals_unlogged(MODULE):
                         result = update(scheduler, scheduler_output, runner_output)
-                    states.append(_side_state(scheduler, result))
+                    states.append(side_state(scheduler, result))
                 if states and states[0] != states[1]:
                     return (f"{cls.__name__}, caching {enable_caching}, step {step}: "
                             f"fastbatch gave {states[1]}, vLLM {states[0]}")
