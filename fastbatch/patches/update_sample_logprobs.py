@@ -128,13 +128,13 @@ import time
 from typing import Any
 
 from fastbatch import registry
+from fastbatch.patches import _texts
 from fastbatch.patches._patch import Patch, Shadow
 from fastbatch.patches._texts import (
     MODULE,
     POOL_FACTORY,
     ByteTokenizer,
     convert,
-    prewarm,
     texts_of,
     tokenizer_entry,
 )
@@ -200,7 +200,7 @@ def _output_processor_init(self: Any, tokenizer: Any, *args: Any, **kwargs: Any)
     _stock_init()(self, tokenizer, *args, **kwargs)
     if not PATCH.piece_diverged:
         started = time.perf_counter()
-        read = prewarm(self.tokenizer)
+        read = _texts.prewarm(self.tokenizer)
         if read:
             logger.info("fastbatch: read the texts of %d token ids ahead in %.0f ms "
                         "(update_sample_logprobs)", read,
@@ -421,7 +421,7 @@ def prewarm_activation_check(method: Any, replacement: Any) -> str | None:
         if built[0] != built[1]:
             return f"fastbatch built {built[1]}, vLLM built {built[0]}"
     tokenizer = ByteTokenizer()
-    read = prewarm(tokenizer)
+    read = _texts.prewarm(tokenizer)
     expected = {token_id: convert(tokenizer, [token_id])[0]
                 for token_id in range(tokenizer.max_token_id + 1)}
     texts = texts_of(tokenizer)
