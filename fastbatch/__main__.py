@@ -28,7 +28,7 @@ def _patch_lines(patch: Any) -> tuple[bool, list[str]]:
     """Whether this vLLM would take ``patch`` (``Patch.judge``, as ``apply``
     decides), and the lines that say why (the activation check run even on a
     target the guard refuses)."""
-    verdict = patch.judge(force=True)
+    verdict = patch.judge(force=True, standalone=True)
     problem = verdict.problem
     return verdict.accepted, [
         f"    {patch.target}",

@@ -60,6 +60,7 @@ from vllm.v1.utils import ConstantList
 import fastbatch
 from fastbatch import _kernels, _reference, _verify, registry, vllm_plugin
 from fastbatch.patches import (
+    _compare,
     _stand_ins,
     after_schedule,
     allocate_slots,
@@ -561,7 +562,7 @@ def _runner_logprobs(mode, num_rows):
 def _plain(result, scheduler):
     if result is not None:
         slots, rest = result
-        result = ([slot if type(slot) is str else patch._plain(slot) for slot in slots],
+        result = ([slot if type(slot) is str else _compare.plain(slot) for slot in slots],
                   rest)
     return result, _stand_ins.side_state(scheduler, {})
 
@@ -1028,7 +1029,7 @@ def test_the_check_sees_a_copy_for_a_view(monkeypatch):
     result = patch.update_from_output(*fast)
     output = result[0].outputs[0]
     expected = fast[2].logprobs.slice_request(0, 1)
-    assert patch._plain(output.new_logprobs) == patch._plain(expected)
+    assert _compare.plain(output.new_logprobs) == _compare.plain(expected)
     with pytest.raises(AssertionError):
         assert_same_slice(output.new_logprobs, expected)
 

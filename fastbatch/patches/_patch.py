@@ -209,12 +209,13 @@ class Patch:
             return f"the code of {name} is not a verified variant (fingerprint {found[:12]})"
         return None
 
-    def judge(self, force: bool = False) -> Judgement:
+    def judge(self, force: bool = False, *, standalone: bool = False) -> Judgement:
         """Whether the installed vLLM takes this patch, and why: the guard on
         its target (``check_target``), then, where the guard accepts it (or
         ``force``, ``FASTBATCH=force``) and there is code at the target, the
-        activation check (not while a patch it ``requires`` is stock).  What
-        ``apply`` decides by, and ``python -m fastbatch`` prints."""
+        activation check (``standalone``, for a process that applies nothing:
+        not for a patch that ``requires`` another).  What ``apply`` decides
+        by, and ``python -m fastbatch`` prints."""
         import vllm
 
         try:
@@ -227,7 +228,7 @@ class Patch:
             return Judgement(owner, attribute, None, problem, "not run (nothing to check)")
         if problem is not None and not force:
             return Judgement(owner, attribute, method, problem, "not run (target refused)")
-        if self.requires is not None and not self.requires.is_applied():
+        if standalone and self.requires is not None:
             return Judgement(owner, attribute, method, problem,
                              f"run once {self.requires.target} is replaced")
         try:
@@ -269,10 +270,6 @@ class Patch:
                 return False
             logger.warning("fastbatch: %s; patching anyway because FASTBATCH=force",
                            verdict.problem)
-        if verdict.check != PASSED and not verdict.check.startswith("failed: "):
-            logger.warning("fastbatch: %s left stock: its activation check is to be %s",
-                           self.target, verdict.check)
-            return False
         if verdict.check != PASSED:
             logger.error("fastbatch: activation check failed for %s (%s); leaving "
                          "vLLM stock", self.target, verdict.check.removeprefix("failed: "))
