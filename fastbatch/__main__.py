@@ -24,37 +24,24 @@ RUNNER_MEANING = {
 }
 
 
-def _patch_lines(patch: Any, vllm_version: str) -> tuple[bool, list[str]]:
-    """Whether this vLLM would take ``patch``, and the lines that say why."""
-    try:
-        method = patch.current()
-    except Exception as exc:  # vLLM without that module
-        method, problem = None, f"{patch.module} cannot be imported ({exc})"
-    else:
-        problem = patch.check_target(vllm_version, method)
-    lines = [f"    {patch.target}",
-             f"      target: {'verified' if problem is None else 'refused: ' + problem}"]
-    if method is None:
-        check = "not run (nothing to check)"
-    elif patch.requires is not None:
-        check = f"run once {patch.requires.target} is replaced"
-    else:
-        try:
-            disagreement = patch.activation_check(method, patch.replacement)
-        except Exception as exc:
-            disagreement = f"raised {type(exc).__name__}: {exc}"
-        check = "passed" if disagreement is None else f"failed: {disagreement}"
-    lines.append(f"      activation check: {check}")
-    return problem is None and check == "passed", lines
+def _patch_lines(patch: Any) -> tuple[bool, list[str]]:
+    """Whether this vLLM would take ``patch`` (``Patch.judge``, as ``apply``
+    decides), and the lines that say why (the activation check run even on a
+    target the guard refuses)."""
+    verdict = patch.judge(force=True, standalone=True)
+    problem = verdict.problem
+    return verdict.accepted, [
+        f"    {patch.target}",
+        f"      target: {'verified' if problem is None else 'refused: ' + problem}",
+        f"      activation check: {verdict.check}"]
 
 
-def _piece_lines(piece: Any, vllm_version: str, compiled: bool,
-                 skipped: set[str]) -> tuple[bool, list[str]]:
+def _piece_lines(piece: Any, compiled: bool, skipped: set[str]) -> tuple[bool, list[str]]:
     """Whether the piece would act, and the lines that say why."""
     lines = [f"  {piece.name}:"]
     acts = compiled and piece.name not in skipped
     for patch in piece.patches:
-        taken, patch_lines = _patch_lines(patch, vllm_version)
+        taken, patch_lines = _patch_lines(patch)
         lines += patch_lines
         acts = acts and (taken if patch is piece.main else True)
     if piece.name in skipped:
@@ -92,7 +79,7 @@ def main() -> int:
     for piece in registry.pieces():
         if piece.name in absent:
             continue  # one line for the group, below
-        acts, lines = _piece_lines(piece, vllm.__version__, fastbatch.COMPILED, skipped)
+        acts, lines = _piece_lines(piece, fastbatch.COMPILED, skipped)
         print("\n".join(lines))
         if acts:
             acting.append(piece)

@@ -16,9 +16,13 @@ def combined(pieces: dict[str, ModuleType]) -> tuple[Callable[[], dict[str, dict
         by piece name."""
         return {name: piece.stats() for name, piece in pieces.items()}
 
-    def reset_stats() -> None:
-        """Set every counter of ``stats()`` back to zero."""
-        for piece in pieces.values():
-            piece.reset_stats()
+    def reset_stats(*names: str) -> None:
+        """Set every counter of ``stats()`` back to zero (only those of the
+        pieces ``names``, where given)."""
+        unknown = sorted(set(names) - pieces.keys())
+        if unknown:
+            raise KeyError(f"no fastbatch piece {unknown} (pieces: {', '.join(pieces)})")
+        for name in names or pieces:
+            pieces[name].reset_stats()
 
     return stats, reset_stats

@@ -20,12 +20,9 @@ import random
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import fastbatch
-
-if TYPE_CHECKING:
-    from fastbatch.patches._patch import Patch
 
 logger = logging.getLogger("vllm.fastbatch")
 VERIFY_DIR_VAR = "FASTBATCH_VERIFY_DIR"
@@ -81,6 +78,65 @@ class Shadow:
     check: Callable[..., bool] | None = None
 
 
+class Verification:
+    """One patch's ``FASTBATCH_VERIFY`` state, written by this module only:
+    ``rate`` (the share of calls checked), ``checked`` (calls compared with
+    vLLM's code), ``divergences`` (those found different), ``reproducers``
+    (the files written) and ``piece_diverged``.  After a divergence in any
+    patch of the piece (``siblings``, this one included), all of them run
+    vLLM's code: ``piece_diverged`` is kept for the checked calls to read as
+    one attribute."""
+
+    def __init__(self) -> None:
+        self._siblings: tuple[Verification, ...] = (self,)
+        self.piece_diverged = False
+        self.reset()
+
+    def reset(self, rate: float = 0.0) -> None:
+        """Counters at zero, ``rate`` of the calls to be checked."""
+        self.rate = rate
+        self.checked = 0
+        self.divergences = 0
+        self.reproducers: list[str] = []
+
+    @property
+    def divergences(self) -> int:
+        return self._divergences
+
+    @divergences.setter
+    def divergences(self, value: int) -> None:
+        self._divergences = value
+        self._share_divergence()
+
+    @property
+    def siblings(self) -> tuple[Verification, ...]:
+        return self._siblings
+
+    @siblings.setter
+    def siblings(self, verifications: tuple[Verification, ...]) -> None:
+        self._siblings = tuple(verifications)
+        self._share_divergence()
+
+    def _share_divergence(self) -> None:
+        diverged = any(sibling._divergences for sibling in self._siblings)
+        for sibling in self._siblings:
+            sibling.piece_diverged = diverged
+
+
+class Checked(Protocol):
+    """What this module reads of a patch (``fastbatch.patches._patch.Patch``)."""
+
+    name: str
+    target: str
+    replacement: Callable[..., Any]
+    shadow: Shadow | None
+    verification: Verification
+
+    def original(self) -> Any: ...
+
+    def current(self) -> Any: ...
+
+
 _suspended = 0  # > 0 while ``suspended()`` is active
 
 
@@ -108,7 +164,7 @@ class _Raised:
         return f"raised {type(self.exc).__name__}: {self.exc}"
 
 
-def checked_replacement(patch: Patch, original: Callable[..., Any],
+def checked_replacement(patch: Checked, original: Callable[..., Any],
                         rate: float) -> Callable[..., Any]:
     """The replacement, with ``rate`` (0 to 1) of its calls also run through
     ``original`` on a copy of their inputs and compared (``Shadow``); after
@@ -118,9 +174,10 @@ def checked_replacement(patch: Patch, original: Callable[..., Any],
         raise ValueError(f"{patch.target} has no shadow check")
     sample = random.Random().random
     signature = _signature(original)
+    verification = patch.verification
 
     def checked(*args: Any, **kwargs: Any) -> Any:
-        if patch.piece_diverged:  # the piece went stock
+        if verification.piece_diverged:  # the piece went stock
             return original(*args, **kwargs)
         if _suspended or (rate < 1 and sample() >= rate):
             return replacement(*args, **kwargs)
@@ -150,7 +207,7 @@ def _signature(function: Callable[..., Any]) -> inspect.Signature | None:
         return None
 
 
-def _compare_call(patch: Patch, original: Callable[..., Any], inputs: Any,
+def _compare_call(patch: Checked, original: Callable[..., Any], inputs: Any,
                   args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     shadow = patch.shadow
     assert shadow is not None
@@ -169,7 +226,7 @@ def _compare_call(patch: Patch, original: Callable[..., Any], inputs: Any,
         stock: Any = shadow.run(original, inputs)
     except Exception as exc:
         stock = _Raised(exc)
-    patch.checked += 1
+    patch.verification.checked += 1
     if isinstance(ours, _Raised) and isinstance(stock, _Raised):
         raise ours.exc  # vLLM's code fails on this input too
     if isinstance(ours, _Raised) or isinstance(stock, _Raised):
@@ -184,12 +241,12 @@ def _compare_call(patch: Patch, original: Callable[..., Any], inputs: Any,
     return shadow.restore(inputs, stock, result, *args, **kwargs)
 
 
-def _report_divergence(patch: Patch, problem: str, inputs: Any, ours: Any, stock: Any) -> None:
+def _report_divergence(patch: Checked, problem: str, inputs: Any, ours: Any, stock: Any) -> None:
     """Count it, switch the piece to stock, write a reproducer, log an error."""
     import vllm
 
     assert patch.shadow is not None
-    patch.divergences += 1
+    patch.verification.divergences += 1
     record = {
         "piece": patch.name, "target": patch.target, "why": problem,
         "vllm_version": vllm.__version__, "fastbatch_version": fastbatch.__version__,
@@ -205,14 +262,14 @@ def _report_divergence(patch: Patch, problem: str, inputs: Any, ours: Any, stock
     except Exception as exc:  # the divergence still counts; say why no file
         where = f"no reproducer written ({type(exc).__name__}: {exc})"
     else:
-        patch.reproducers.append(path)
+        patch.verification.reproducers.append(path)
         where = f"reproducer: {path}"
     logger.error("fastbatch: FASTBATCH_VERIFY: piece %r (%s) diverged from vLLM: %s; "
                  "vLLM's result was kept, and %r runs vLLM's code for the rest of this "
                  "process; %s", patch.name, patch.target, problem[:2000], patch.name, where)
 
 
-def replay(patch: Patch, inputs: Any, original: Callable[..., Any] | None = None) -> str | None:
+def replay(patch: Checked, inputs: Any, original: Callable[..., Any] | None = None) -> str | None:
     """Run fastbatch's replacement and vLLM's code (``original``, by default
     the one this patch stands in for) on ``inputs`` of a reproducer; why
     their outcomes differ, or None."""

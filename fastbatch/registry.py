@@ -24,20 +24,16 @@ from __future__ import annotations
 
 import functools
 import importlib
-import pkgutil
 from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from fastbatch.patches._patch import Patch
+from fastbatch._names import NAMES
 
-# Listed from the folder, without importing the package: the plugin, switched
-# off, imports nothing of fastbatch.patches.
-NAMES: tuple[str, ...] = tuple(sorted(
-    module.name for module in pkgutil.iter_modules([str(Path(__file__).parent / "patches")])
-    if not module.name.startswith("_")))
+# Where a piece's target runs (its patch module's ``GROUP``): vLLM's scheduler
+# (EngineCore), its model runner (the worker), or its front end (the output
+# processor and the API server).
+GROUPS = ("scheduler", "runner", "front end")
 
 # FASTBATCH_DISABLE names of fastbatch 0.1 that became the pieces' names;
 # they still work, with a deprecation warning.
@@ -53,16 +49,6 @@ DEPRECATED_NAMES = {
 }
 
 
-def kernel_modules() -> dict[str, ModuleType]:
-    """Every piece's compiled module (ImportError where one is not built)."""
-    return {name: importlib.import_module(f"fastbatch._kernels.{name}") for name in NAMES}
-
-
-def twin_modules() -> dict[str, ModuleType]:
-    """Every piece's pure-Python twin."""
-    return {name: importlib.import_module(f"fastbatch._reference.{name}") for name in NAMES}
-
-
 class Piece:
     """One piece, as the plugin drives it: its patches applied, reverted and
     reported together."""
@@ -70,8 +56,13 @@ class Piece:
     def __init__(self, name: str) -> None:
         self.name = name
         self.module = importlib.import_module(f"fastbatch.patches.{name}")
-        self.main: Patch = self.module.PATCH
-        self.patches: tuple[Patch, ...] = getattr(self.module, "PATCHES", (self.main,))
+        # fastbatch.patches._patch.Patch objects (not imported: that module
+        # imports the package, which imports this one)
+        self.main: Any = self.module.PATCH
+        self.patches: tuple[Any, ...] = getattr(self.module, "PATCHES", (self.main,))
+        self.group: str = self.module.GROUP
+        if self.group not in GROUPS:
+            raise ValueError(f"piece {name}: GROUP {self.group!r} is none of {GROUPS}")
         for patch in self.patches:
             patch.name, patch.siblings = name, self.patches
 
@@ -118,12 +109,21 @@ def pieces() -> Iterator[Piece]:
     return (piece(name) for name in NAMES)
 
 
-def exports(modules: dict[str, ModuleType]) -> dict[str, Any]:
-    """The public functions of the pieces' modules (their ``__all__``), by name."""
-    found: dict[str, Any] = {}
-    for module in modules.values():
-        for attribute in module.__all__:
-            if attribute in found:
-                raise RuntimeError(f"{attribute} is exported by two pieces")
-            found[attribute] = getattr(module, attribute)
-    return found
+def group(name: str) -> tuple[str, ...]:
+    """The pieces of group ``name`` (one of ``GROUPS``), in the order of
+    ``NAMES`` (imports every patch module)."""
+    if name not in GROUPS:
+        raise KeyError(f"no group {name!r} of fastbatch pieces (groups: {', '.join(GROUPS)})")
+    return tuple(piece.name for piece in pieces() if piece.group == name)
+
+
+def implementation(name: str) -> ModuleType:
+    """The module of piece ``name`` in use: the compiled one, or its twin
+    where the compiled pieces cannot be imported (``fastbatch.COMPILED``;
+    the plugin then leaves vLLM stock)."""
+    import fastbatch
+
+    if name not in NAMES:
+        raise KeyError(f"no fastbatch piece {name!r} (pieces: {', '.join(NAMES)})")
+    return importlib.import_module(
+        f"fastbatch.{'_kernels' if fastbatch.COMPILED else '_reference'}.{name}")

@@ -159,7 +159,7 @@ def register() -> None:
             continue  # said once for the group, below
         piece.apply(force=current == "force", verify=rate)
     _report_without_target(removed)
-    from fastbatch.patches import _runner_report
+    from fastbatch import _runner_report
 
     _runner_report.PATCH.apply(force=current == "force")
 
@@ -193,65 +193,9 @@ def revert() -> None:
     process: every piece, and the runner report's hook."""
     for piece in registry.pieces():
         piece.revert()
-    from fastbatch.patches import _runner_report
+    from fastbatch import _runner_report
 
     _runner_report.PATCH.revert()
-
-
-# The model runner ----------------------------------------------------------
-
-_runner_seen = "unknown"  # the kind of the last runner reported in this process
-
-
-def _pieces_in(runner_kind: str, async_scheduling: Any) -> tuple[list[str], list[str]]:
-    """The installed pieces that act with this runner, and those that stay idle."""
-    acting, idle = [], []
-    for piece in registry.pieces():
-        if not piece.is_applied():
-            continue
-        patch = piece.main
-        acts_in_v1 = async_scheduling or not patch.needs_async_scheduling
-        if patch.acts_under_v2 if runner_kind == "v2" else runner_kind == "v1" and acts_in_v1:
-            acting.append(piece.name)
-        else:
-            idle.append(piece.name)
-    return acting, idle
-
-
-def runner_report(worker: Any) -> tuple[int, str]:
-    """The log level and line that say which runner ``worker`` built and what
-    fastbatch's pieces do there."""
-    worker = getattr(worker, "worker", worker)
-    kind = model_runner.runner_kind(worker)
-    runner = getattr(worker, "model_runner", None)
-    name = type(runner).__name__ if runner is not None else "not built yet"
-    if kind == "v2":
-        acting, _ = _pieces_in(kind, None)
-        removed = model_runner.v1_removed()
-        line = (f"fastbatch: Model Runner V2 in use ({name}): fastbatch's runner pieces "
-                "serve the V1 runner and stay idle here; VLLM_USE_V2_MODEL_RUNNER=0 selects V1"
-                if removed is None else
-                f"fastbatch: Model Runner V2 in use ({name}): fastbatch's runner pieces have "
-                f"{removed}")
-        if acting:
-            line += (f"; {', '.join(acting)} still act{'s' if len(acting) == 1 else ''} "
-                     "(vLLM's scheduler, output processor and API server are the same under "
-                     "both runners)")
-        return logging.WARNING, line
-    if kind == "unknown":
-        return logging.WARNING, (
-            f"fastbatch: this worker's model runner ({name}) is neither vLLM's V1 runner "
-            "nor Model Runner V2; fastbatch's pieces may stay idle here")
-    async_scheduling = getattr(runner, "use_async_scheduling", None)
-    acting, idle = _pieces_in(kind, async_scheduling)
-    line = (f"fastbatch: V1 model runner in use ({name}, async scheduling "
-            f"{'on' if async_scheduling else 'off'})")
-    if not acting and not idle:
-        return logging.WARNING, f"{line}: no fastbatch piece is installed in this process"
-    line += f": {', '.join(acting) or 'no piece'} can act here"
-    if idle:
-        line += f"; {', '.join(idle)} stay idle (they need async scheduling)"
-    return logging.INFO, line
 
 
 def replay(path: str) -> str | None:
@@ -282,6 +226,7 @@ def status(worker: Any = None) -> dict[str, Any]:
     is fastbatch's (no masking after fastbatch's conversion).
     """
     import fastbatch
+    from fastbatch import _runner_report
 
     worker = getattr(worker, "worker", worker)  # unwrap a WorkerWrapperBase
     runner = getattr(worker, "model_runner", None)
@@ -297,7 +242,8 @@ def status(worker: Any = None) -> dict[str, Any]:
             .module.masking_skipped().items() if skipped),
         "compiled": fastbatch.COMPILED,
         "async_scheduling": getattr(runner, "use_async_scheduling", None),
-        "runner": _runner_seen if worker is None else model_runner.runner_kind(worker),
+        "runner": (_runner_report.last_seen() if worker is None
+                   else model_runner.runner_kind(worker)),
         "verify": {
             "rate": max((piece.main.verify_rate for piece in pieces), default=0.0),
             "checked": {piece.name: sum(p.checked for p in piece.patches) for piece in pieces},

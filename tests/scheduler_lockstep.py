@@ -46,12 +46,12 @@ from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
-from fastbatch.patches import update_from_output
+from fastbatch.patches._compare import first_difference
+from fastbatch.patches._stand_ins import StandInGrammar as _StandInGrammar
 
 EOS_TOKEN_ID = 2
 VOCAB_SIZE = 64  # small, so that stop tokens turn up by chance too
 _ARCHITECTURE = "FastbatchSchedulerOnlyLM"
-_MAPPING = "__mapping__"  # a snapshot of a dict: its (key, value) pairs in order
 _MODEL_DIR: str | None = None
 
 
@@ -317,7 +317,7 @@ class RequestSpec:
     grammar: tuple[int, ...] | None = None  # the tokens its grammar refuses
 
 
-class StandInGrammar(update_from_output.StandInGrammar):
+class StandInGrammar(_StandInGrammar):
     """A request's grammar: the activation check's stand-in (accepts every
     token but those it ``refuses``, keeps what it accepted) with the rest of
     the interface vLLM's scheduler uses under spec decoding."""
@@ -385,8 +385,9 @@ def snapshot(value: Any, _depth: int = 0) -> Any:
     if isinstance(value, (set, frozenset)):
         return sorted((snapshot(item, depth) for item in value), key=repr)
     if isinstance(value, (dict, MappingProxyType)):  # in order: the order is part of it
-        return {_MAPPING: [(snapshot(key, depth), snapshot(item, depth))
-                           for key, item in value.items()]}
+        # (a tuple of pairs, in order)
+        return tuple((snapshot(key, depth), snapshot(item, depth))
+                     for key, item in value.items())
     if type(value).__module__ == "numpy" and hasattr(value, "tobytes"):
         # exactly: dtype, shape, strides, bytes
         return {"__numpy__": [value.dtype.str, list(value.shape), list(value.strides)],
@@ -465,41 +466,6 @@ def request_state(scheduler: Any) -> dict[str, Any]:
         "waiting": [request.request_id for request in scheduler.waiting],
         "finished_req_ids": sorted(scheduler.finished_req_ids),
     }
-
-
-def first_difference(left: Any, right: Any, path: str = "") -> str | None:
-    """The path of the first place where two snapshots differ, or None."""
-    if left == right and type(left) is type(right):
-        return None
-    if type(left) is not type(right):
-        return f"{path}: {left!r} != {right!r}"
-    if isinstance(left, dict) and _MAPPING in left and _MAPPING in right:
-        left_pairs, right_pairs = left[_MAPPING], right[_MAPPING]
-        left_keys, right_keys = [k for k, _ in left_pairs], [k for k, _ in right_pairs]
-        if left_keys != right_keys:
-            return f"{path} keys: {left_keys} != {right_keys}"
-        for (key, a), (_, b) in zip(left_pairs, right_pairs, strict=True):
-            found = first_difference(a, b, f"{path}[{key!r}]")
-            if found:
-                return found
-        return None
-    if isinstance(left, dict):
-        if list(left) != list(right):
-            return f"{path} keys: {list(left)} != {list(right)}"
-        for key in left:
-            found = first_difference(left[key], right[key], f"{path}.{key}")
-            if found:
-                return found
-        return None
-    if isinstance(left, (list, tuple)):
-        if len(left) != len(right):
-            return f"{path} length {len(left)} != {len(right)}: {left!r} != {right!r}"
-        for index, (a, b) in enumerate(zip(left, right, strict=True)):
-            found = first_difference(a, b, f"{path}[{index}]")
-            if found:
-                return found
-        return None
-    return f"{path}: {left!r} != {right!r}"
 
 
 class Lockstep:
@@ -701,7 +667,7 @@ class Lockstep:
             sampled_token_ids=[list(sampled[rid]) for rid in req_ids], logprobs=lists)
 
     def _compare(self, what: str, stock: Any, fast: Any) -> None:
-        found = first_difference(stock, fast, what)
+        found = first_difference(fast, stock, what)
         if found is not None:
             raise Divergence(f"{self.workload.name} step {self.steps}: {found}")
 

@@ -42,6 +42,7 @@ from hypothesis import strategies as st
 
 import fastbatch
 from fastbatch import _kernels, _reference, registry, vllm_plugin
+from fastbatch.patches import _stand_ins
 from fastbatch.patches import after_schedule as patch
 from leaks import assert_no_leak
 
@@ -347,7 +348,7 @@ def _scheduler(cls, rows, defer, use_v2, odd):
     release's ``__init__`` sets: ``use_v2_model_runner`` only where vLLM has
     it) and a real ``SchedulerOutput`` for ``rows``."""
     scheduler = cls.__new__(cls)
-    known = patch.scheduler_attributes(cls)
+    known = _stand_ins.scheduler_attributes(cls)
     output = SchedulerOutput.make_empty()
     output.num_spec_tokens_to_schedule = len(rows) % 3
     inflight, requests = set(), {}
@@ -543,7 +544,7 @@ def test_activation_check_refuses_a_list_apart_from_the_schedulers(monkeypatch):
     """Up to vLLM 0.33.0 the scheduler keeps the step's list: requests must
     hold that one.  (vLLM 0.34.0 keeps it nowhere: there the check compares
     which requests share one list, the test above.)"""
-    if "_spec_token_placeholders" not in patch.scheduler_attributes(AsyncScheduler):
+    if "_spec_token_placeholders" not in _stand_ins.scheduler_attributes(AsyncScheduler):
         assert patch.async_variant(ASYNC_STOCK)[0] is False
         return  # this vLLM's counterpart: a_list_per_request above
 
@@ -581,12 +582,12 @@ def test_the_variant_follows_this_vllm():
     """Bound from the async method's fingerprint, with the same answer as
     this vLLM's objects give: whether its scheduler keeps a placeholder list
     and has ``use_v2_model_runner``."""
-    attributes = patch.scheduler_attributes(AsyncScheduler)
+    attributes = _stand_ins.scheduler_attributes(AsyncScheduler)
     keeps, always = patch.async_variant(ASYNC_STOCK)
     assert keeps == ("_spec_token_placeholders" in attributes)
     assert always == ("use_v2_model_runner" not in attributes)
     assert {"requests", "current_step", "decode_stagger", "_inflight_prefills"} <= attributes
-    assert "decode_stagger" not in patch.scheduler_attributes(Scheduler)
+    assert "decode_stagger" not in _stand_ins.scheduler_attributes(Scheduler)
     patch._bind()
     assert (keeps, always) == (patch._KEEPS_PLACEHOLDERS, patch._ALWAYS_ELIGIBLE)
     # Code the guard does not know (FASTBATCH=force): read off the names it uses.
@@ -805,7 +806,7 @@ def test_verify_divergence_restores_every_field_in_the_live_objects(verified, mo
         monkeypatch.setattr(fastbatch, "update_after_schedule", all_wrong)
         for sibling in checked_patch.siblings:  # each patch on its own here
             sibling.divergences = 0
-        use_v2 = patch.use_v2_values(cls)[-1]  # True where vLLM has the flag
+        use_v2 = _stand_ins.use_v2_values(cls)[-1]  # True where vLLM has the flag
         expected_scheduler, expected_output = patch._small_scheduler(cls, True, use_v2)
         stock(expected_scheduler, expected_output)
         scheduler, output = patch._small_scheduler(cls, True, use_v2)

@@ -47,6 +47,7 @@ import fastbatch
 from fastbatch import _kernels, _reference, registry, vllm_plugin
 from fastbatch._kernels import allocate_slots as compiled_piece
 from fastbatch._reference import allocate_slots as twin_piece
+from fastbatch.patches import _stand_ins
 from fastbatch.patches import allocate_slots as patch
 from leaks import assert_no_leak
 
@@ -200,7 +201,7 @@ def _running_request(piece_stock, caching, prompt_len, prefill_lookahead, ahead)
     computed than known (async scheduling's in-flight token)."""
     from vllm.v1.request import RequestStatus
 
-    manager = patch._small_manager(caching)
+    manager = _stand_ins.small_manager(caching)
     request = lockstep.make_request(lockstep.RequestSpec(
         "a", tuple(range(5, 5 + prompt_len)), 32, 0, (), False), 4)
     assert piece_stock(manager, request, prompt_len,
@@ -244,7 +245,7 @@ def test_lookahead_calls_match_vllm_one_by_one(piece, caching):
                                  for _ in range(2)]
                         (stock_manager, stock_request), (manager, request) = sides
                         held = -(-(prompt_len + prefill_lookahead) // 4)
-                        assert len(patch.kv_manager_state(manager)[0][0][0]["a"]) == held
+                        assert len(_stand_ins.kv_manager_state(manager)[0][0][0]["a"]) == held
                         num_new = 1 + num_drafts
                         need = prompt_len + ahead + num_new + lookahead
                         fits = -(-need // 4) <= held
@@ -257,8 +258,8 @@ def test_lookahead_calls_match_vllm_one_by_one(piece, caching):
                             manager, request, num_new, num_lookahead_tokens=lookahead))
                         case = (prompt_len, prefill_lookahead, ahead, num_drafts, lookahead)
                         assert got == expected, case
-                        assert (patch.kv_manager_state(manager)
-                                == patch.kv_manager_state(stock_manager)), case
+                        assert (_stand_ins.kv_manager_state(manager)
+                                == _stand_ins.kv_manager_state(stock_manager)), case
                         assert _request_state(request) == _request_state(stock_request)
                         after = piece.stats()
                         noop = after["noop_allocations"] - before["noop_allocations"]
@@ -323,7 +324,8 @@ def test_lookahead_slots_capped_at_max_model_len(caching):
                 got = _answer(manager, compiled_piece.allocate_slots(
                     manager, request, 1 + num_drafts, num_lookahead_tokens=lookahead))
                 assert got == expected == "empty"  # 4 blocks hold max_model_len
-                assert patch.kv_manager_state(manager) == patch.kv_manager_state(stock_manager)
+                assert (_stand_ins.kv_manager_state(manager)
+                        == _stand_ins.kv_manager_state(stock_manager))
                 noop = compiled_piece.stats()["noop_allocations"] - before
                 assert noop == (not caches)
                 capped += noop and need > 16
@@ -894,7 +896,7 @@ def test_verify_divergence_returns_vllms_blocks_and_keeps_its_allocation(verifie
 
     sides = []
     for _ in range(2):
-        manager, request = patch._small_manager(True), patch._small_request("a")
+        manager, request = _stand_ins.small_manager(True), _stand_ins.hashed_request("a")
         manager.allocate_slots(request, request.num_tokens)  # the prompt: 2 blocks of 4
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = request.num_tokens
@@ -914,7 +916,7 @@ def test_verify_divergence_returns_vllms_blocks_and_keeps_its_allocation(verifie
     got = checked_method(manager, request, 1)
     assert patch.PATCH.divergences == 1 and patch.PATCH.checked == 1
     assert got.get_block_ids() == expected.get_block_ids()
-    assert patch.kv_manager_state(manager) == patch.kv_manager_state(stock_manager)
+    assert _stand_ins.kv_manager_state(manager) == _stand_ins.kv_manager_state(stock_manager)
     # The next call goes to vLLM's method (always_empty would answer otherwise).
     request.num_computed_tokens += 1
     request.append_output_token_ids(33)
@@ -941,7 +943,7 @@ def test_verify_calls_handed_to_vllm_are_not_checked_nor_run_twice(verified, mon
         return STOCK(*args)
 
     compiled_piece.bind(counting_stock, patch.kinds())
-    manager, request = patch._small_manager(True), patch._small_request("a")
+    manager, request = _stand_ins.small_manager(True), _stand_ins.hashed_request("a")
     checked = _checked_method()
     result = checked(manager, request, request.num_tokens)  # a prefill: vLLM's method
     assert result is not None and calls == ["a"] and patch.PATCH.checked == 0
@@ -955,7 +957,8 @@ def test_verify_sampled_rate_checks_some_calls(verified):
         patch.PATCH.checked = 0
         checked = _checked_method(rate)
         for index in range(60):
-            manager, request = patch._small_manager(True), patch._small_request(f"r{index}")
+            manager = _stand_ins.small_manager(True)
+            request = _stand_ins.hashed_request(f"r{index}")
             STOCK(manager, request, request.num_tokens)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = request.num_tokens
@@ -975,7 +978,7 @@ def test_verify_suspended_calls_are_not_checked(verified):
 
     verified(1.0)
     checked = _checked_method()
-    manager, request = patch._small_manager(True), patch._small_request("a")
+    manager, request = _stand_ins.small_manager(True), _stand_ins.hashed_request("a")
     STOCK(manager, request, request.num_tokens)
     request.status = RequestStatus.RUNNING
     request.num_computed_tokens = request.num_tokens

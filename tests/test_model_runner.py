@@ -15,8 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fastbatch import model_runner, registry, vllm_plugin
-from fastbatch.patches import _runner_report
+from fastbatch import _runner_report, model_runner, registry, vllm_plugin
 
 # The pieces that replace the scheduler's or the output processor's code, which
 # Model Runner V2 runs too, and those with work only under async scheduling.
@@ -114,7 +113,7 @@ def test_runner_follows_vllm_selection(config_module, monkeypatch, logs, triton,
     worker = _decided(config)
     assert model_runner.runner_kind(worker) == expected
     assert model_runner.runner_kind(SimpleNamespace(worker=worker)) == expected  # wrapped
-    level, line = vllm_plugin.runner_report(worker)
+    level, line = _runner_report.runner_report(worker)
     if expected == "v2":
         assert level == logging.WARNING
         assert line == ("fastbatch: Model Runner V2 in use (not built yet): fastbatch's "
@@ -148,7 +147,7 @@ def stock(monkeypatch):
 
         monkeypatch.setattr(penalties, "PIN_MEMORY", False)
     stock_init_device = WorkerWrapperBase.init_device
-    monkeypatch.setattr(vllm_plugin, "_runner_seen", "unknown")
+    monkeypatch.setattr(_runner_report, "_seen", "unknown")
     monkeypatch.delenv("FASTBATCH_DISABLE", raising=False)
     monkeypatch.delenv("FASTBATCH_VERIFY", raising=False)
     for piece in registry.pieces():
@@ -215,7 +214,7 @@ def test_v1_line_says_which_pieces_act(stock, monkeypatch, disable, expected):
     monkeypatch.setenv("FASTBATCH", "1")
     monkeypatch.setenv("FASTBATCH_DISABLE", disable)
     vllm_plugin.register()
-    level, line = vllm_plugin.runner_report(SimpleNamespace(use_v2_model_runner=False))
+    level, line = _runner_report.runner_report(SimpleNamespace(use_v2_model_runner=False))
     assert line == ("fastbatch: V1 model runner in use (not built yet, async scheduling "
                     f"off): {expected}")
     assert level == (logging.WARNING if "no fastbatch" in expected else logging.INFO)
@@ -279,7 +278,7 @@ def test_pieces_without_a_target_are_one_group(stock, monkeypatch, logs):
     assert not any(status["patches"][name] for name in runner_pieces)
     assert model_runner.default_runner() == (
         "v2", f"the only runner of vLLM {vllm.__version__}: Model Runner V1 was removed")
-    _, line = vllm_plugin.runner_report(SimpleNamespace(use_v2_model_runner=True))
+    _, line = _runner_report.runner_report(SimpleNamespace(use_v2_model_runner=True))
     assert line.startswith("fastbatch: Model Runner V2 in use (not built yet): fastbatch's "
                            f"runner pieces have {reason}")
     assert "VLLM_USE_V2_MODEL_RUNNER" not in line

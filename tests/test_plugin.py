@@ -19,8 +19,8 @@ from vllm.v1.worker.gpu_input_batch import InputBatch
 
 import fastbatch
 from batches import vllm_0_21_method
-from fastbatch import registry, vllm_plugin
-from fastbatch.patches import _releases, _runner_report
+from fastbatch import _runner_report, registry, vllm_plugin
+from fastbatch.patches import _releases
 from fastbatch.patches import async_output_token_ids as patch
 from fastbatch.patches import async_spec_token_ids as spec_patch
 from fastbatch.patches import penalty_output_tokens as penalty_patch

@@ -28,7 +28,7 @@ import pytest
 from vllm.v1.engine import EngineCoreOutput, FinishReason
 from vllm.v1.engine.output_processor import OutputProcessor
 
-from fastbatch import _reference, registry
+from fastbatch import _names, _reference, registry
 from fastbatch._kernels import process_outputs as compiled_piece
 from fastbatch._reference import process_outputs as twin_piece
 from fastbatch.patches import process_outputs as patch
@@ -440,15 +440,15 @@ def test_plugin_applies_and_reverts():
 
 
 def test_each_call_is_one_step_of_the_sample_logprobs_texts(monkeypatch):
-    """The installed method runs vLLM's loop inside ``update_sample_logprobs.STEP``
+    """The installed method runs vLLM's loop inside ``_texts.STEP``
     (its first-sight texts then borrow a tokenizer pool's copy once for the
     call), left when the loop returns or raises."""
-    from fastbatch.patches import update_sample_logprobs
+    from fastbatch.patches import _texts
 
     depths = []
 
     def loop(*arguments):
-        depths.append(update_sample_logprobs.STEP.depth)
+        depths.append(_texts.STEP.depth)
         if len(depths) == 2:
             raise RuntimeError("vLLM's loop failed")
         return "outputs"
@@ -457,7 +457,7 @@ def test_each_call_is_one_step_of_the_sample_logprobs_texts(monkeypatch):
     assert patch.process_outputs(None, []) == "outputs"
     with pytest.raises(RuntimeError, match="loop failed"):
         patch.process_outputs(None, [])
-    assert depths == [1, 1] and update_sample_logprobs.STEP.depth == 0
+    assert depths == [1, 1] and _texts.STEP.depth == 0
 
 
 def test_disable_leaves_it_stock(monkeypatch):
@@ -525,4 +525,4 @@ def test_verify_catches_a_planted_bug(checks_every_call, monkeypatch, logs, plan
 
 
 def test_twin_is_the_reference_module():
-    assert registry.twin_modules()[NAME] is _reference.process_outputs
+    assert _names.twin_modules()[NAME] is _reference.process_outputs

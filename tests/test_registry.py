@@ -4,11 +4,13 @@ called, and everything that lists the pieces lists the same ones."""
 
 import inspect
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 import fastbatch
 from fastbatch import _kernels, _reference, registry
+from fastbatch._counters import combined
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -89,6 +91,54 @@ def test_the_package_exports_every_pieces_functions():
     for name in exported:
         assert getattr(fastbatch, name) is getattr(_kernels, name)
         assert getattr(_reference, name) is not getattr(_kernels, name)
+
+
+def test_reset_stats_of_named_pieces_leaves_the_others():
+    counts = {"a": {"calls": 3}, "b": {"calls": 5}}
+    modules = {name: SimpleNamespace(stats=lambda name=name: dict(counts[name]),
+                                     reset_stats=lambda name=name: counts[name].update(calls=0))
+               for name in counts}
+    stats, reset_stats = combined(modules)
+    reset_stats("b")
+    assert stats() == {"a": {"calls": 3}, "b": {"calls": 0}}
+    with pytest.raises(KeyError, match="no fastbatch piece"):
+        reset_stats("c")
+    assert stats() == {"a": {"calls": 3}, "b": {"calls": 0}}  # checked before resetting
+    reset_stats()
+    assert stats() == {"a": {"calls": 0}, "b": {"calls": 0}}
+
+
+@pytest.mark.parametrize("name", registry.NAMES)
+def test_the_implementation_in_use_is_the_packages(name):
+    expected = (_kernels if fastbatch.COMPILED else _reference).PIECES[name]
+    assert registry.implementation(name) is expected
+    assert all(getattr(fastbatch, function) is getattr(expected, function)
+               for function in expected.__all__)
+
+
+def test_an_unknown_implementation_is_a_clear_error():
+    with pytest.raises(KeyError, match="no fastbatch piece 'output'"):
+        registry.implementation("output")
+
+
+@pytest.mark.vllm
+def test_each_piece_is_in_the_group_of_its_targets():
+    """The scheduler's pieces replace code of ``vllm.v1.core``, the front end's
+    of ``vllm.v1.engine`` and ``vllm.entrypoints``, the runner's neither."""
+    where = {"scheduler": ("vllm.v1.core.",), "front end": ("vllm.v1.engine.",
+                                                            "vllm.entrypoints."),
+             "runner": ()}
+    grouped = [name for group in registry.GROUPS for name in registry.group(group)]
+    assert sorted(grouped) == list(registry.NAMES)
+    for group in registry.GROUPS:
+        for name in registry.group(group):
+            piece = registry.piece(name)
+            assert piece.group == group
+            assert piece.main.acts_under_v2 == (group != "runner"), name
+            if where[group]:
+                assert piece.main.module.startswith(where[group]), name
+    with pytest.raises(KeyError, match="no group 'engine'"):
+        registry.group("engine")
 
 
 def test_deprecated_names_point_at_pieces_and_are_not_pieces():

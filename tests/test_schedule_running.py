@@ -37,7 +37,7 @@ import fastbatch
 from fastbatch import _kernels, _reference, registry
 from fastbatch._kernels import schedule_running as compiled_piece
 from fastbatch._reference import schedule_running as twin_piece
-from fastbatch.patches import allocate_slots
+from fastbatch.patches import _stand_ins, allocate_slots
 from fastbatch.patches import schedule_running as patch
 from leaks import assert_no_leak
 
@@ -303,7 +303,8 @@ def test_allocate_slots_binding_decided_at_bind():
     request_type, kernel, store, trusted = patch._KINDS
     assert request_type is Request and kernel is allocate_slots.allocate_slots
     assert trusted == (allocate_slots.PATCH.original() or KVCacheManager.allocate_slots,)
-    assert type(patch._request("probe", 4, 1, 0)._all_token_ids) in (list, store)
+    probe = _stand_ins.scheduled_request("probe", 4, 1, 0, block_size=patch._BLOCK_SIZE)
+    assert type(probe._all_token_ids) in (list, store)
 
 
 def test_a_wrapper_in_vllms_place_is_not_trusted(monkeypatch):
@@ -415,7 +416,8 @@ def test_activation_check_refuses_the_wrong_token_store(monkeypatch):
     they hold lists, it passes."""
     monkeypatch.setattr(patch, "token_store", lambda: list)
     problem = patch.activation_check(STOCK, patch.schedule)
-    if type(patch._request("probe", 4, 1, 0)._all_token_ids) is list:
+    probe = _stand_ins.scheduled_request("probe", 4, 1, 0, block_size=patch._BLOCK_SIZE)
+    if type(probe._all_token_ids) is list:
         assert problem is None
     else:
         assert problem is not None and "scheduled no request itself" in problem

@@ -27,7 +27,6 @@ import random
 import warnings
 
 import pytest
-import vllm
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
@@ -215,7 +214,7 @@ def _would_act() -> list[str]:
             continue
         if any(target.startswith("vllm.entrypoints.") for target in piece.targets):
             continue
-        acts, _ = _piece_lines(piece, vllm.__version__, fastbatch.COMPILED, set())
+        acts, _ = _piece_lines(piece, fastbatch.COMPILED, set())
         if acts:
             names.append(piece.name)
     return names

@@ -231,14 +231,14 @@ def test_piece_ab_compares_two_variants(tmp_path):
     logged = tmp_path / "logged.py"
     logged.write_text(f'''
 import runpy
-from fastbatch.patches import update_sample_logprobs
+from fastbatch.patches import _texts
 example = runpy.run_path({str(example)!r})
 
 def logged_call(name, function):
     def put_in_place():
         function()
         with open({str(calls)!r}, "a") as out:
-            out.write(f"{{name}}: {{update_sample_logprobs.lent.__name__}}\\n")
+            out.write(f"{{name}}: {{_texts.lent.__name__}}\\n")
     return put_in_place
 
 VARIANTS = {{name: logged_call(name, function) for name, function in example["VARIANTS"].items()}}

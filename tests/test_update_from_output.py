@@ -59,7 +59,14 @@ from vllm.v1.utils import ConstantList
 
 import fastbatch
 from fastbatch import _kernels, _reference, _verify, registry, vllm_plugin
-from fastbatch.patches import after_schedule, allocate_slots, cached_requests, schedule_running
+from fastbatch.patches import (
+    _compare,
+    _stand_ins,
+    after_schedule,
+    allocate_slots,
+    cached_requests,
+    schedule_running,
+)
 from fastbatch.patches import update_from_output as patch
 from leaks import assert_no_leak
 
@@ -469,10 +476,10 @@ def _state(cls, caching, specs, stop_every, logprobs=None, runner_logprobs="none
     ``req_id_to_index`` even where vLLM dropped it (compiled against twin in
     variants 0 to 2); ``token_store``: each request's ``_all_token_ids``
     becomes this type (an ``array('i')`` subclass)."""
-    requests = requests or patch._stand_in_requests()[:len(specs)]
+    requests = requests or _stand_ins.stand_in_requests()[:len(specs)]
     for request, value in zip(requests, logprobs or (), strict=False):
         request.sampling_params.logprobs = value
-    scheduler = patch._stand_in_scheduler(cls, caching, requests)
+    scheduler = _stand_ins.stand_in_scheduler(cls, caching, requests)
     manager = scheduler.kv_cache_manager
     scheduled, sampled = {}, []
     for request, (outputs, token, in_flight, placeholders, status, max_tokens) in zip(
@@ -555,9 +562,9 @@ def _runner_logprobs(mode, num_rows):
 def _plain(result, scheduler):
     if result is not None:
         slots, rest = result
-        result = ([slot if type(slot) is str else patch._plain(slot) for slot in slots],
+        result = ([slot if type(slot) is str else _compare.plain(slot) for slot in slots],
                   rest)
-    return result, patch._side_state(scheduler, {})
+    return result, _stand_ins.side_state(scheduler, {})
 
 
 def assert_same_slice(ours, theirs):
@@ -657,7 +664,8 @@ def test_logprob_requests_are_taken_as_vllm_slices_them(monkeypatch, implementat
                                                          runner_logprobs, logprobs):
     (stock, fast), (stock_result, fast_result) = _one_step(
         monkeypatch, implementation, cls, DECODES, logprobs, runner_logprobs)
-    assert patch._side_state(fast[0], fast_result) == patch._side_state(stock[0], stock_result)
+    assert (_stand_ins.side_state(fast[0], fast_result)
+            == _stand_ins.side_state(stock[0], stock_result))
     assert implementation.update_from_output.stats() == {"fast_outputs": 4,
                                                          "stock_outputs": 0}
     runner = fast[2]
@@ -676,7 +684,8 @@ def test_logprob_requests_are_taken_as_vllm_slices_them(monkeypatch, implementat
 def test_logprob_requests_that_stop_go_to_vllm(monkeypatch, implementation, runner_logprobs):
     (stock, fast), (stock_result, fast_result) = _one_step(
         monkeypatch, implementation, AsyncScheduler, STOPS, (1, 5, None, -1), runner_logprobs)
-    assert patch._side_state(fast[0], fast_result) == patch._side_state(stock[0], stock_result)
+    assert (_stand_ins.side_state(fast[0], fast_result)
+            == _stand_ins.side_state(stock[0], stock_result))
     assert implementation.update_from_output.stats() == {"fast_outputs": 2,
                                                          "stock_outputs": 2}
     stopped = [output for output in fast_result[0].outputs if output.finish_reason is not None]
@@ -708,7 +717,8 @@ def test_structured_output_requests_go_to_vllm(monkeypatch, implementation, cls)
 
     (stock, fast), (stock_result, fast_result) = _one_step(
         monkeypatch, implementation, cls, DECODES, None, "none", with_grammars)
-    assert patch._side_state(fast[0], fast_result) == patch._side_state(stock[0], stock_result)
+    assert (_stand_ins.side_state(fast[0], fast_result)
+            == _stand_ins.side_state(stock[0], stock_result))
     assert advanced[1] == advanced[0] and [rid for rid, _ in advanced[0]] == ["r0", "r2"]
     assert implementation.update_from_output.stats() == {"fast_outputs": 2,
                                                          "stock_outputs": 2}
@@ -724,18 +734,18 @@ def _same_step(stock, fast, stock_result, fast_result):
 
 
 def _side_state(scheduler, result):
-    """``patch._side_state`` of a scheduler that may lack some of its state
+    """``_stand_ins.side_state`` of a scheduler that may lack some of its state
     (a Mock or nothing in its place: compared as the same stand-in)."""
     view = copy.copy(scheduler)
     if type(getattr(view, "running", None)) is not list:
         view.running = []
     if type(getattr(view, "kv_cache_manager", None)) is not type(lockstep_manager()):
         view.kv_cache_manager = lockstep_manager()
-    return patch._side_state(view, result)
+    return _stand_ins.side_state(view, result)
 
 
 def lockstep_manager():
-    return allocate_slots._small_manager(False)
+    return _stand_ins.small_manager(False)
 
 
 # Decodes with and without placeholders (r1, r3: none; then vLLM 0.33+ reads
@@ -948,7 +958,7 @@ def test_logprobs_the_fast_path_cannot_slice_go_to_vllm(monkeypatch, implementat
         assert type(fast_result) is type(stock_result)
         assert str(fast_result) == str(stock_result)
     else:
-        assert patch._side_state(fast[0], fast_result) == patch._side_state(stock[0],
+        assert _stand_ins.side_state(fast[0], fast_result) == _stand_ins.side_state(stock[0],
                                                                             stock_result)
     left = 1 if runner_logprobs in ("cu-short", "cu-not-int") else 3
     assert counters == {"fast_outputs": 4 - left, "stock_outputs": left}
@@ -1019,7 +1029,7 @@ def test_the_check_sees_a_copy_for_a_view(monkeypatch):
     result = patch.update_from_output(*fast)
     output = result[0].outputs[0]
     expected = fast[2].logprobs.slice_request(0, 1)
-    assert patch._plain(output.new_logprobs) == patch._plain(expected)
+    assert _compare.plain(output.new_logprobs) == _compare.plain(expected)
     with pytest.raises(AssertionError):
         assert_same_slice(output.new_logprobs, expected)
 
@@ -1104,7 +1114,7 @@ def _long_batch(cls):
     every 11th from 3 on a subclass of Request.  Returns the state and the Requests."""
     requests = []
     for index in range(150):
-        request = copy.deepcopy(patch._stand_in_requests()[0])
+        request = copy.deepcopy(_stand_ins.stand_in_requests()[0])
         request.request_id = f"r{index}"
         requests.append(request)
     specs = [(3, 7, 1, 1, RequestStatus.RUNNING, 10**6)] * len(requests)

@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 
 import fastbatch
 from fastbatch import _reference, registry, vllm_plugin
+from fastbatch.patches import _texts
 from fastbatch.patches import update_sample_logprobs as patch
 from leaks import assert_no_leak
 
@@ -622,7 +623,7 @@ def bound(implementation):
     """The implementation's module, its installed method (``update``) bound
     as the patch binds the compiled one."""
     module = implementation.PIECES[NAME]
-    module.bind(vllm_method(), patch._tokenizer_entry, patch._convert, patch._kinds())
+    module.bind(vllm_method(), _texts.tokenizer_entry, _texts.convert, patch._kinds())
     return module
 
 
@@ -711,7 +712,7 @@ def test_the_installed_method_follows_the_processors_tokenizer(implementation):
 def test_bind_refuses_bad_input_and_keeps_the_binding(implementation):
     module = bound(implementation)
     update = module.update
-    good = (vllm_method(), patch._tokenizer_entry, patch._convert, patch._kinds())
+    good = (vllm_method(), _texts.tokenizer_entry, _texts.convert, patch._kinds())
     for position, bad, error in ((0, None, TypeError), (1, "entry", TypeError),
                                  (2, "convert", TypeError), (3, (Logprob,), ValueError)):
         arguments = list(good)
@@ -745,7 +746,7 @@ def test_input_the_kernel_does_not_take_runs_vllm_method():
         def decode(self, ids, **_):
             return "".join(chr(65 + i % 26) for i in ids)
 
-    assert patch.texts_of(Unhashable()) is None
+    assert _texts.texts_of(Unhashable()) is None
     stock, ours = real_processor(Unhashable(), True, 1), real_processor(Unhashable(), True, 1)
     lists = as_logprobs_lists((np.array([[3, 4]], dtype=np.int32),
                                np.array([[-0.5, -1.0]], dtype=np.float32), np.array([1]), None))
@@ -803,10 +804,10 @@ def test_corrections_decode_each_id_list_once():
     assert fastbatch.stats()[NAME]["corrected"] > 0 and not borrows
     assert queue.qsize() == 1
     assert outcome(first) == outcome(second) == outcome(stock)
-    count = len(patch._TABLES)  # the memo does not keep its tokenizer alive
+    count = len(_texts._TABLES)  # the memo does not keep its tokenizer alive
     del tokenizer, first, second, stock
     gc.collect()
-    assert len(patch._TABLES) == count - 1
+    assert len(_texts._TABLES) == count - 1
 
 
 @pytest.mark.vllm
@@ -834,7 +835,7 @@ def test_a_correction_is_made_once_per_token_and_context(monkeypatch):
     for lists in steps:
         patch._update_sample_logprobs(first, lists)
     assert made and len(made) == len(set(made))
-    assert len(patch._tokenizer_entry(tokenizer)[1].corrected) == len(made)
+    assert len(_texts.tokenizer_entry(tokenizer)[1].corrected) == len(made)
     del made[:]
     fastbatch.reset_stats()
     for lists in steps:
@@ -857,13 +858,13 @@ def test_a_step_borrows_from_each_pool_once(tokenizer_name):
     ours = [real_processor(tokenizer, flat, 1) for flat in (False, True)]
     stock = [real_processor(tokenizer, flat, 1) for flat in (False, True)]
     del borrows[:]  # the encoding's
-    with patch.STEP:
+    with _texts.STEP:
         assert not borrows  # borrowed when needed, not before
         for lists in steps:
             for processor in ours:
                 patch._update_sample_logprobs(processor, lists)
         assert len(borrows) == 1 and queue.qsize() == 0  # held for the step
-    assert queue.qsize() == 1 and not patch.STEP.lent
+    assert queue.qsize() == 1 and not _texts.STEP.lent
     del borrows[:]
     for lists in steps:
         for processor in stock:
@@ -871,7 +872,7 @@ def test_a_step_borrows_from_each_pool_once(tokenizer_name):
     assert len(borrows) > len(steps)
     assert [outcome(processor) for processor in ours] == [outcome(p) for p in stock]
     fastbatch.reset_stats()
-    patch.forget()
+    _texts.forget()
     del borrows[:]
     for lists in steps:  # no step: a borrow per text met, as vLLM's
         patch._update_sample_logprobs(real_processor(tokenizer, False, 1), lists)
@@ -884,13 +885,13 @@ def test_a_step_puts_its_copy_back_when_the_step_raises():
     tokenizer, queue, borrows = counted_borrows(tokenizers()["byte-level"])
     lists = corrected_steps(tokenizer, "\u0436")[0]
     del borrows[:]  # the encoding's
-    with pytest.raises(RuntimeError, match="the step failed"), patch.STEP:
-        with patch.STEP:  # nested: the outer step keeps the copy
+    with pytest.raises(RuntimeError, match="the step failed"), _texts.STEP:
+        with _texts.STEP:  # nested: the outer step keeps the copy
             patch._update_sample_logprobs(real_processor(tokenizer, False, 1), lists)
         assert queue.qsize() == 0
         raise RuntimeError("the step failed")
     assert len(borrows) == 1 and queue.qsize() == 1
-    assert patch.STEP.depth == 0 and not patch.STEP.lent
+    assert _texts.STEP.depth == 0 and not _texts.STEP.lent
 
 
 @pytest.mark.vllm
@@ -899,14 +900,14 @@ def test_a_step_lends_on_its_own_thread_only():
 
     tokenizer = copy.deepcopy(tokenizers()["byte-level"])
     seen = []
-    with patch.STEP:
-        lender = patch.lent(tokenizer)
-        assert isinstance(lender, patch.PoolLender) and patch.lent(tokenizer) is lender
-        thread = threading.Thread(target=lambda: seen.append(patch.lent(tokenizer)))
+    with _texts.STEP:
+        lender = _texts.lent(tokenizer)
+        assert isinstance(lender, _texts.PoolLender) and _texts.lent(tokenizer) is lender
+        thread = threading.Thread(target=lambda: seen.append(_texts.lent(tokenizer)))
         thread.start()
         thread.join()
     assert seen == [tokenizer]
-    assert patch.lent(tokenizer) is tokenizer  # after the step
+    assert _texts.lent(tokenizer) is tokenizer  # after the step
 
 
 @pytest.mark.vllm
@@ -915,8 +916,8 @@ def test_a_lender_is_its_pool_tokenizer_but_for_the_two_borrowed_methods():
     any other attribute read or written is the pool tokenizer's."""
     tokenizer = copy.deepcopy(tokenizers()["metaspace"])
     ids = tokenizer.encode("caf\u00e9 cr\u00e8me", add_special_tokens=False)
-    with patch.STEP:
-        lender = patch.lent(tokenizer)
+    with _texts.STEP:
+        lender = _texts.lent(tokenizer)
         borrowed = lender._copy
         assert borrowed is not tokenizer and type(borrowed) is not type(tokenizer)
         assert lender.decode(ids) == tokenizer.decode(ids)
@@ -932,8 +933,8 @@ def test_only_a_tokenizer_of_vllms_pool_is_lent():
     """``pool_borrow`` takes a class made by vLLM's ``maybe_make_thread_pool``
     (its methods that factory's code) and nothing else."""
     pooled = tokenizers()["byte-level"]
-    assert patch.pool_borrow(pooled) is not None
-    assert patch.pool_borrow(copy.deepcopy(pooled)) is not patch.pool_borrow(pooled)
+    assert _texts.pool_borrow(pooled) is not None
+    assert _texts.pool_borrow(copy.deepcopy(pooled)) is not _texts.pool_borrow(pooled)
 
     class OwnDecode(type(pooled)):
         def decode(self, *args, **kwargs):
@@ -941,10 +942,10 @@ def test_only_a_tokenizer_of_vllms_pool_is_lent():
 
     unpooled = copy.copy(pooled)
     unpooled.__class__ = type(pooled).__mro__[1]  # the tokenizer the pool wraps
-    for tokenizer in (patch.ByteTokenizer(), None, unpooled, OwnDecode.__new__(OwnDecode)):
-        assert patch.pool_borrow(tokenizer) is None
-        with patch.STEP:
-            assert patch.lent(tokenizer) is tokenizer
+    for tokenizer in (_texts.ByteTokenizer(), None, unpooled, OwnDecode.__new__(OwnDecode)):
+        assert _texts.pool_borrow(tokenizer) is None
+        with _texts.STEP:
+            assert _texts.lent(tokenizer) is tokenizer
 
 
 @pytest.mark.vllm
@@ -958,8 +959,8 @@ def test_forget_empties_every_table_as_in_a_new_process():
     runs = []
     for forget in (False, True):
         if forget:
-            patch.forget()
-            texts, corrector = patch._tokenizer_entry(tokenizer)
+            _texts.forget()
+            texts, corrector = _texts.tokenizer_entry(tokenizer)
             assert not texts and not corrector.decodes and not corrector.corrected
         fastbatch.reset_stats()
         ours, stock = real_processor(tokenizer, False, 1), real_processor(tokenizer, False, 1)
@@ -976,11 +977,11 @@ def test_forget_empties_every_table_as_in_a_new_process():
 def test_a_full_memo_is_emptied_and_corrections_stay_vllms(monkeypatch):
     """The memo holds at most ``MEMO_LIMIT`` id lists: when full it is emptied
     before the next is kept, and every text is still vLLM's."""
-    monkeypatch.setattr(patch, "MEMO_LIMIT", 3)
+    monkeypatch.setattr(_texts, "MEMO_LIMIT", 3)
     tokenizer = copy.deepcopy(tokenizers()["byte-level"])
     steps = corrected_steps(tokenizer, "\u0436\u0449\u0436\u0449 \U0001f41d\U0001f41d \u2713")
     ours, stock = real_processor(tokenizer, False, 1), real_processor(tokenizer, False, 1)
-    memo = patch._tokenizer_entry(tokenizer)[1].decodes
+    memo = _texts.tokenizer_entry(tokenizer)[1].decodes
     sizes = []
     for lists in steps:
         vllm_method()(stock, lists)
@@ -1019,15 +1020,15 @@ def test_a_subclass_correction_is_called_on_the_processor():
 
 @pytest.mark.vllm
 def test_a_table_per_tokenizer_that_goes_with_it():
-    first, second = patch.ByteTokenizer(), patch.ByteTokenizer()
-    table = patch.texts_of(first)
-    assert patch.texts_of(first) is table and patch.texts_of(second) is not table
-    assert patch.texts_of(None) == {}
+    first, second = _texts.ByteTokenizer(), _texts.ByteTokenizer()
+    table = _texts.texts_of(first)
+    assert _texts.texts_of(first) is table and _texts.texts_of(second) is not table
+    assert _texts.texts_of(None) == {}
     gc.collect()  # earlier tests' tokenizers in reference cycles
-    count = len(patch._TABLES)
+    count = len(_texts._TABLES)
     del first
     gc.collect()
-    assert len(patch._TABLES) == count - 1
+    assert len(_texts._TABLES) == count - 1
 
 
 # --- the texts read ahead, at the output processor's construction ---------------
@@ -1044,14 +1045,14 @@ def test_prewarm_reads_vllms_first_sight_text_of_every_id(tokenizer_name):
     tokenizer, queue, borrows = counted_borrows(tokenizers()[tokenizer_name])
     ids = range(tokenizer.max_token_id + 1)
     assert len(ids) == len(tokenizer)  # every id the tokenizer has
-    assert patch.prewarm(tokenizer) == len(ids)
+    assert _texts.prewarm(tokenizer) == len(ids)
     assert len(borrows) == 1 and queue.qsize() == 1
     expected = {token_id: convert_ids_list_to_tokens(tokenizer, [token_id])[0]
                 for token_id in ids}
-    assert patch.texts_of(tokenizer) == expected
+    assert _texts.texts_of(tokenizer) == expected
     assert any(text.endswith(REPLACEMENT) for text in expected.values())  # lone bytes
     del borrows[:]
-    assert patch.prewarm(tokenizer) == 0 and not borrows
+    assert _texts.prewarm(tokenizer) == 0 and not borrows
 
 
 @pytest.mark.vllm
@@ -1062,7 +1063,7 @@ def test_texts_read_ahead_give_vllms_logprobs_without_a_decode():
     vLLM's."""
     tokenizer = copy.deepcopy(tokenizers()["byte-level"])
     steps = corrected_steps(tokenizer, "\u0436\u0449 \U0001f41d caf\u00e9 the scheduler")
-    patch.prewarm(tokenizer)
+    _texts.prewarm(tokenizer)
     fastbatch.reset_stats()
     for flat in (False, True):
         ours, stock = real_processor(tokenizer, flat, 1), real_processor(tokenizer, flat, 1)
@@ -1074,7 +1075,7 @@ def test_texts_read_ahead_give_vllms_logprobs_without_a_decode():
     assert counts["decoded"] == 0 and counts["corrected"] > 0 and counts["positions"] > 0
 
 
-class RefusingTokenizer(patch.ByteTokenizer):
+class RefusingTokenizer(_texts.ByteTokenizer):
     """Id 7's text raises, id 9's is not a str."""
 
     def decode(self, ids, **kwargs):
@@ -1092,16 +1093,16 @@ def test_prewarm_leaves_to_first_sight_what_it_cannot_read(monkeypatch):
     import vllm.v1.engine.logprobs  # noqa: F401 - the module ``_convert`` reads
 
     tokenizer = RefusingTokenizer()
-    assert patch.prewarm(tokenizer) == tokenizer.max_token_id + 1 - 2
-    texts = patch.texts_of(tokenizer)
+    assert _texts.prewarm(tokenizer) == tokenizer.max_token_id + 1 - 2
+    texts = _texts.texts_of(tokenizer)
     assert 7 not in texts and 9 not in texts and texts[8] == "\x08"
-    for last in (None, -1, 2.0, True, patch.PREWARM_LIMIT + 1):
-        other = patch.ByteTokenizer()
+    for last in (None, -1, 2.0, True, _texts.PREWARM_LIMIT + 1):
+        other = _texts.ByteTokenizer()
         other.max_token_id = last
-        assert patch.prewarm(other) == 0 and patch.texts_of(other) == {}
-    monkeypatch.setattr(patch.ByteTokenizer, "__hash__", None)
-    assert patch.prewarm(patch.ByteTokenizer()) == 0
-    assert patch.prewarm(None) == 0
+        assert _texts.prewarm(other) == 0 and _texts.texts_of(other) == {}
+    monkeypatch.setattr(_texts.ByteTokenizer, "__hash__", None)
+    assert _texts.prewarm(_texts.ByteTokenizer()) == 0
+    assert _texts.prewarm(None) == 0
 
 
 @pytest.mark.vllm
@@ -1115,12 +1116,12 @@ def test_an_output_processor_reads_its_tokenizers_texts_ahead(logs):
     stock_init = OutputProcessor.__init__
     tokenizer = copy.deepcopy(tokenizers()["metaspace"])
     stock = OutputProcessor(tokenizer, log_stats=True, stream_interval=3)
-    assert patch.texts_of(tokenizer) == {}
+    assert _texts.texts_of(tokenizer) == {}
     assert PIECE.apply() is True
     assert OutputProcessor.__init__ is patch._output_processor_init
     ours = OutputProcessor(tokenizer, log_stats=True, stream_interval=3)
     assert patch._state(ours) == patch._state(stock) and ours.tokenizer is tokenizer
-    assert len(patch.texts_of(tokenizer)) == len(tokenizer)
+    assert len(_texts.texts_of(tokenizer)) == len(tokenizer)
     infos = logs.at(logging.INFO)
     assert any(f"read the texts of {len(tokenizer)} token ids ahead" in line for line in infos)
     OutputProcessor(None, log_stats=False)  # no tokenizer: nothing read, nothing logged
@@ -1135,14 +1136,14 @@ def test_forget_reads_a_prewarmed_tokenizers_texts_again():
     """``forget()`` is a new process: the memos empty, and the texts that an
     output processor's construction read ahead read again."""
     tokenizer = copy.deepcopy(tokenizers()["byte-level"])
-    patch.prewarm(tokenizer)
-    texts, corrector = patch._tokenizer_entry(tokenizer)
+    _texts.prewarm(tokenizer)
+    texts, corrector = _texts.tokenizer_entry(tokenizer)
     full = dict(texts)
     processor = real_processor(tokenizer, False, 1)
     for lists in corrected_steps(tokenizer, "\u0436\u0449"):
         patch._update_sample_logprobs(processor, lists)
     assert corrector.decodes and corrector.corrected
-    patch.forget()
+    _texts.forget()
     assert texts == full and not corrector.decodes and not corrector.corrected
 
 
@@ -1158,7 +1159,7 @@ def test_texts_are_read_ahead_under_verify_and_checked_in_use():
     assert patch.PREWARM_PATCH.is_applied() and patch.PREWARM_PATCH.verify_rate == 1.0
     tokenizer = copy.deepcopy(tokenizers()["byte-level"])
     OutputProcessor(tokenizer, log_stats=False)
-    assert len(patch.texts_of(tokenizer)) == len(tokenizer)
+    assert len(_texts.texts_of(tokenizer)) == len(tokenizer)
     from vllm.v1.engine.logprobs import LogprobsProcessor
 
     processor = real_processor(tokenizer, False, 1)
@@ -1185,14 +1186,14 @@ def test_prewarm_activation_check_refuses_a_wrong_one(monkeypatch, logs, broken)
 
         monkeypatch.setattr(patch.PREWARM_PATCH, "replacement", wrong)
     else:
-        real = patch.prewarm
+        real = _texts.prewarm
 
         def wrong(tokenizer):
             read = real(tokenizer)
-            patch.texts_of(tokenizer)[0] += "!"
+            _texts.texts_of(tokenizer)[0] += "!"
             return read
 
-        monkeypatch.setattr(patch, "prewarm", wrong)
+        monkeypatch.setattr(_texts, "prewarm", wrong)
     assert PIECE.apply() is True
     assert OutputProcessor.__init__ is stock_init
     (error,) = logs.at(logging.ERROR)

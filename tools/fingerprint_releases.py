@@ -21,7 +21,7 @@ so a rerun asks the network only for the two release lists.
                                                     # fingerprints of any functions, per release
 
 The patches are every piece's (``fastbatch.registry``) and the worker's runner
-report hook (``fastbatch.patches._runner_report.PATCH``); importing them needs
+report hook (``fastbatch._runner_report.PATCH``); importing them needs
 torch, not vLLM.  Each name is fingerprinted as ``fastbatch._fingerprint.
 fingerprint`` would on the live object, so it is resolved the way Python
 binds it: a ``.fget`` is a property's getter; a method a class does not
@@ -357,8 +357,7 @@ def fingerprint_in(source: str, qualname: str) -> str | None:
 
 def patches() -> tuple[dict[str, tuple[Any, ...]], Any]:
     """({piece name: its Patch objects}, the runner report hook's Patch)."""
-    from fastbatch import registry
-    from fastbatch.patches import _runner_report
+    from fastbatch import _runner_report, registry
 
     return ({piece.name: piece.patches for piece in registry.pieces()}, _runner_report.PATCH)
 

@@ -2,11 +2,11 @@
 in ``fastbatch.patches`` (and its pure-Python twin in ``fastbatch._reference``).
 ``_common`` holds what they share (the small-int helpers, the token table)."""
 
-from fastbatch import registry
+from fastbatch import _names
 from fastbatch._counters import combined
 
-PIECES = registry.kernel_modules()
+PIECES = _names.kernel_modules()
 stats, reset_stats = combined(PIECES)
-_EXPORTS = registry.exports(PIECES)
+_EXPORTS = _names.exports(PIECES)
 globals().update(_EXPORTS)
 __all__ = ["reset_stats", "stats", *_EXPORTS]

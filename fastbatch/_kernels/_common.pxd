@@ -10,6 +10,7 @@ every piece, so the hot loops keep their inlined fast paths, while the token
 table and the error paths live once, in ``_common.pyx``.
 """
 
+cimport cython
 from cpython.object cimport PyObject
 from cpython.buffer cimport Py_buffer
 from libc.stdint cimport int32_t, int64_t
@@ -39,6 +40,44 @@ cdef extern from "Python.h":
     # itemlist NULL deletes the slice (no list is allocated).
     int PyList_SetSlice(PyObject* lst, Py_ssize_t low, Py_ssize_t high,
                         PyObject* itemlist) except -1
+    # Borrowed-pointer forms for the prefetch stages, which never raise: an
+    # error is cleared (a hint only: the piece's loop meets it itself).
+    PyObject* instance_dict "PyObject_GenericGetDict"(PyObject* o, void* context)
+    PyObject* type_of "(PyObject*)Py_TYPE"(PyObject* o)
+    PyObject* dict_get_hint "PyDict_GetItemWithError"(PyObject* mp, PyObject* key)
+    void PyErr_Clear()
+    dict PyObject_GenericGetDict(object o, void* context)
+    bint PyDict_Next(object p, Py_ssize_t* pos, PyObject** key, PyObject** value)
+    int PySequence_Contains(object o, object value) except -1
+    const Py_ssize_t PY_SSIZE_T_MAX
+    void* PyMem_RawCalloc(size_t nelem, size_t elsize)
+    ctypedef struct PyDictObject:
+        void* ma_keys  # public (cpython/dictobject.h); the table is not
+    ctypedef struct PyMemberDef:
+        int type
+        Py_ssize_t offset
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef* d_member
+    ctypedef struct VersionedType "PyTypeObject":
+        unsigned int tp_version_tag  # changes when the type or a base is changed
+    bint PyObject_IS_GC(object obj)
+    void PyObject_GC_UnTrack(void* op)
+    object PyUnicode_AsEncodedString(object text, const char* encoding,
+                                     const char* errors)
+    char* PyBytes_AS_STRING(object data)
+    Py_ssize_t PyBytes_GET_SIZE(object data)
+    PyObject* PyLong_FromLong(long value)
+    bint PyUnicode_CheckExact(PyObject* o)
+    Py_ssize_t PyUnicode_GET_LENGTH(PyObject* o)
+    unsigned int PyUnicode_KIND(PyObject* o)
+    bint PyUnicode_IS_ASCII(PyObject* o)
+    Py_ssize_t Py_REFCNT(PyObject* o)
+    int PyUnicode_Resize(PyObject** unicode, Py_ssize_t length) except -1
+    Py_ssize_t PyUnicode_CopyCharacters(PyObject* to, Py_ssize_t to_start, PyObject* source,
+                                        Py_ssize_t from_start, Py_ssize_t how_many) except -1
+    PyObject* PyUnicode_Concat(PyObject* left, PyObject* right) except NULL
+    PyObject* PyNumber_InPlaceAdd(PyObject* left, PyObject* right) except NULL
+    int PyObject_SetAttr(object o, object name, object value) except -1
 
 
 cdef extern from "_pylong.h":
@@ -176,6 +215,7 @@ cdef enum:
     MAX_PREFETCH_BYTES = 4096
 
 
+@cython.final
 cdef class RequestPrefetch:
     # Group prefetching of a piece's loop over requests (see _common.pyx).
     cdef object request_type
@@ -187,6 +227,7 @@ cdef class RequestPrefetch:
     cdef void _prefetch_keys(self, PyObject* attrs) noexcept
 
 
+@cython.final
 cdef class ScheduledPrefetch:
     # RequestPrefetch for a loop over a dict keyed by request id (see _common.pyx).
     cdef dict scheduled, requests

@@ -24,19 +24,6 @@ from libc.stdint cimport int32_t, int64_t
 from fastbatch._kernels._prefetch cimport prefetch_read
 
 
-cdef extern from "Python.h":
-    void* PyMem_RawCalloc(size_t nelem, size_t elsize)
-    ctypedef struct PyDictObject:
-        void* ma_keys  # public (cpython/dictobject.h); the table is not
-    # Borrowed-pointer forms for the prefetch stages, which never raise: an
-    # error is cleared (a hint only: the piece's loop meets it itself).
-    PyObject* instance_dict "PyObject_GenericGetDict"(PyObject* o, void* context)
-    PyObject* type_of "(PyObject*)Py_TYPE"(PyObject* o)
-    PyObject* dict_get_hint "PyDict_GetItemWithError"(PyObject* mp, PyObject* key)
-    bint PyDict_Next(object p, Py_ssize_t* pos, PyObject** key, PyObject** value)
-    void PyErr_Clear()
-
-
 cdef bint LITTLE_ENDIAN = sys.byteorder == "little"
 cdef PyObject** _token_table = NULL
 

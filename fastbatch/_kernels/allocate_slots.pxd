@@ -1,6 +1,9 @@
 # The decode call of ``allocate_slots`` for the other compiled pieces
 # (``schedule_running``): see allocate_slots.pyx.
 
+cimport cython
+
+
 # What ``_plan`` finds vLLM's method would do (flags; ``_STOCK`` alone: vLLM decides).
 cdef enum:
     _STOCK = -1
@@ -15,6 +18,7 @@ cdef struct _Counts:
     Py_ssize_t to_cache       # num_tokens_to_cache
 
 
+@cython.final
 cdef class _Manager:
     """What the plan reads of a KV-cache manager that is the same for every
     request: its coordinator's one full-attention manager's block table,

@@ -20,6 +20,7 @@ call on the common path).  The plan reads and never writes.
 
 __all__ = ["allocate_slots_is_noop"]
 
+cimport cython
 from libc.stdint cimport uint64_t
 
 from fastbatch._kernels._common cimport as_index
@@ -46,6 +47,7 @@ def reset_stats():
     _stock_allocations = 0
 
 
+@cython.final
 cdef class _Kinds:
     """vLLM's classes on the fast path (see ``bind``), unpacked once."""
 

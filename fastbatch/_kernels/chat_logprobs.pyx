@@ -27,16 +27,9 @@ from fastbatch._kernels._common cimport (
     Py_INCREF,
     list_set_item,
 )
-
-
-cdef extern from "Python.h":
-    object PyUnicode_AsEncodedString(object text, const char* encoding,
-                                     const char* errors)
-    char* PyBytes_AS_STRING(object data)
-    Py_ssize_t PyBytes_GET_SIZE(object data)
-    PyObject* PyLong_FromLong(long value)
-    void PyObject_GC_UnTrack(void* op)
-
+from fastbatch._kernels._common cimport (
+    PyBytes_AS_STRING, PyBytes_GET_SIZE, PyLong_FromLong, PyObject_GC_UnTrack,
+    PyUnicode_AsEncodedString)
 
 # Process-wide counters, read with stats().
 cdef uint64_t _calls = 0

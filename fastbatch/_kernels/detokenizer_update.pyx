@@ -23,20 +23,11 @@ from libc.stdint cimport uint64_t
 from bisect import bisect_left
 
 from fastbatch._kernels._common cimport Py_DECREF, Py_INCREF, Py_XDECREF
+from fastbatch._kernels._common cimport (
+    Py_REFCNT, PyNumber_InPlaceAdd, PyObject_SetAttr, PyUnicode_CheckExact, PyUnicode_Concat,
+    PyUnicode_CopyCharacters, PyUnicode_GET_LENGTH, PyUnicode_IS_ASCII, PyUnicode_KIND,
+    PyUnicode_Resize)
 
-
-cdef extern from "Python.h":
-    bint PyUnicode_CheckExact(PyObject* o)
-    Py_ssize_t PyUnicode_GET_LENGTH(PyObject* o)
-    unsigned int PyUnicode_KIND(PyObject* o)
-    bint PyUnicode_IS_ASCII(PyObject* o)
-    Py_ssize_t Py_REFCNT(PyObject* o)
-    int PyUnicode_Resize(PyObject** unicode, Py_ssize_t length) except -1
-    Py_ssize_t PyUnicode_CopyCharacters(PyObject* to, Py_ssize_t to_start, PyObject* source,
-                                        Py_ssize_t from_start, Py_ssize_t how_many) except -1
-    PyObject* PyUnicode_Concat(PyObject* left, PyObject* right) except NULL
-    PyObject* PyNumber_InPlaceAdd(PyObject* left, PyObject* right) except NULL
-    int PyObject_SetAttr(object o, object name, object value) except -1
 
 # Process-wide counters, read with stats().
 cdef uint64_t _detokenizer_calls = 0

@@ -24,18 +24,10 @@ from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
 
 from fastbatch._kernels._common cimport PREFETCH_DISTANCE, RequestPrefetch
+from fastbatch._kernels._common cimport PyErr_Clear, PyMemberDef, PyMemberDescrObject, dict_get_hint
 
 import types
 
-
-cdef extern from "Python.h":
-    PyObject* dict_get_hint "PyDict_GetItemWithError"(PyObject* mp, PyObject* key)
-    void PyErr_Clear()
-    ctypedef struct PyMemberDef:
-        int type
-        Py_ssize_t offset
-    ctypedef struct PyMemberDescrObject:
-        PyMemberDef* d_member
 
 # PyMemberDef types of an object slot: T_OBJECT (NULL reads None) and
 # T_OBJECT_EX (NULL raises AttributeError); the same numbers in 3.10 to 3.13.

@@ -27,6 +27,7 @@ only tokens that fit a C int (else vLLM's append raises: its loop takes it).
 
 __all__ = ["merge_decode_outputs", "take_decode_outputs"]
 
+cimport cython
 from cpython.list cimport PyList_Append, PyList_GET_ITEM, PyList_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
@@ -39,12 +40,8 @@ from array import array as _array
 from fastbatch._kernels._common cimport (
     Py_None, Py_SIZE, PyDict_GetItemWithError, PyList_CheckExact, PyLong_CheckExact,
     ScheduledPrefetch, long_as_compact)
-
-cdef extern from "Python.h":
-    dict PyObject_GenericGetDict(object o, void* context)
-    bint PyDict_Next(object p, Py_ssize_t* pos, PyObject** key, PyObject** value)
-    int PySequence_Contains(object o, object value) except -1
-    const Py_ssize_t PY_SSIZE_T_MAX
+from fastbatch._kernels._common cimport (
+    PY_SSIZE_T_MAX, PyDict_Next, PyObject_GenericGetDict, PySequence_Contains)
 
 cdef extern from *:
     """
@@ -144,6 +141,7 @@ cdef inline bint _int_at(dict attrs, str name, Py_ssize_t* out) except -1:
     return _int_value(<object>value, out)
 
 
+@cython.final
 cdef class _Cache:
     """The KV-cache manager of one step, read once: is ``cache_blocks`` a no-op?"""
     cdef bint caching      # any group caches at all
@@ -194,6 +192,7 @@ cdef class _Cache:
         return cached >= cacheable // self.block_size
 
 
+@cython.final
 cdef class _Hasher:
     """The block hasher last seen (one is shared by every request of an
     engine): its hash block size and lookahead, read once from its closure
@@ -221,6 +220,7 @@ cdef _Hasher _hasher = _Hasher()
 _ARRAY_APPEND = _array.append
 
 
+@cython.final
 cdef class _TokenStore:
     """The array type last accepted as ``_all_token_ids`` (vLLM 0.34's
     ``TokenBuffer``): a subclass of ``array`` that keeps ``array``'s

@@ -39,16 +39,13 @@ from fastbatch._kernels._common cimport (
     token_object,
     token_table,
 )
+from fastbatch._kernels._common cimport PyObject_GC_UnTrack, PyObject_IS_GC, VersionedType
 
 # Process-wide counters, read with stats().
 cdef uint64_t _calls = 0
 cdef uint64_t _positions = 0
 cdef uint64_t _decoded = 0
 cdef uint64_t _corrected = 0
-
-cdef extern from "Python.h":
-    bint PyObject_IS_GC(object obj)
-    void PyObject_GC_UnTrack(void* op)
 
 cdef bint LITTLE_ENDIAN = sys.byteorder == "little"
 # The text vLLM corrects: one that ends in U+FFFD (an unfinished UTF-8 sequence).
@@ -214,10 +211,6 @@ cdef inline bint _sampled_again(const Array* token_ids, Py_ssize_t p, Py_ssize_t
             return True
     return False
 
-
-cdef extern from "Python.h":
-    ctypedef struct VersionedType "PyTypeObject":
-        unsigned int tp_version_tag  # changes when the type or a base is changed
 
 # The last Logprob type checked by _plain_dataclass, its version then (0:
 # none, not kept) and the answer.

@@ -2,11 +2,11 @@
 test oracle, one module per piece, named like its patch in ``fastbatch.patches``.
 ``_common`` holds what they share."""
 
-from fastbatch import registry
+from fastbatch import _names
 from fastbatch._counters import combined
 
-PIECES = registry.twin_modules()
+PIECES = _names.twin_modules()
 stats, reset_stats = combined(PIECES)
-_EXPORTS = registry.exports(PIECES)
+_EXPORTS = _names.exports(PIECES)
 globals().update(_EXPORTS)
 __all__ = ["reset_stats", "stats", *_EXPORTS]

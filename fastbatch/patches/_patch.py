@@ -15,6 +15,7 @@ twice is a no-op, and ``revert`` puts the original back.  Under
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import logging
@@ -28,7 +29,7 @@ from fastbatch._fingerprint import fingerprint
 from fastbatch._verify import Shadow
 from fastbatch.patches._releases import RELEASES
 
-__all__ = ["Patch", "Shadow", "instance_dict_problem"]
+__all__ = ["Judgement", "Patch", "Shadow", "instance_dict_problem"]
 
 logger = logging.getLogger("vllm.fastbatch")
 
@@ -60,6 +61,31 @@ def _lookup(module: str, qualname: str) -> tuple[Any, str, Any]:
     for parent in parents:
         owner = getattr(owner, parent)
     return owner, name, getattr(owner, name, None)
+
+
+PASSED = "passed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Judgement:
+    """``Patch.judge``'s answer.  ``method``: vLLM's code at the target (None
+    where there is none); ``problem``: why the guard refuses the target (None:
+    a verified target); ``check``: the activation check's outcome, ``PASSED``
+    or ``"failed: <why>"``, or why it was not run; ``unimportable``: the
+    target's module cannot be imported here (said in ``problem``)."""
+
+    owner: Any
+    attribute: str
+    method: Any
+    problem: str | None
+    check: str
+    unimportable: bool = False
+
+    @property
+    def accepted(self) -> bool:
+        """``FASTBATCH=1`` would install the patch (``FASTBATCH=force``: also
+        where only ``problem`` stands in the way)."""
+        return self.problem is None and self.check == PASSED
 
 
 class Patch:
@@ -105,47 +131,38 @@ class Patch:
         self.requires = requires
         self.acts_under_v2 = self.module.startswith(
             ("vllm.v1.core.", "vllm.v1.engine.", "vllm.entrypoints."))
-        self._divergences = 0
+        # FASTBATCH_VERIFY's state, which fastbatch._verify writes
+        self.verification = _verify.Verification()
         self._siblings: tuple[Patch, ...] = (self,)
-        self.piece_diverged = False  # see ``divergences``
         self._original: Any = None
         self._stored: Any = None  # the attribute as stored (a staticmethod, say)
-        self._reset_verification()
-
-    def _reset_verification(self) -> None:
-        self.verify_rate = 0.0
-        self.checked = 0  # calls compared with vLLM's code
-        self.divergences = 0
-        self.reproducers: list[str] = []
-
-    @property
-    def divergences(self) -> int:
-        """The calls ``FASTBATCH_VERIFY`` found different from vLLM's.  After
-        one in any patch of the piece (``siblings``), all of them run vLLM's
-        code: ``piece_diverged``, kept for the checked calls to read as one
-        attribute."""
-        return self._divergences
-
-    @divergences.setter
-    def divergences(self, value: int) -> None:
-        self._divergences = value
-        self._share_divergence()
 
     @property
     def siblings(self) -> tuple[Patch, ...]:
         """The patches of the same piece, this one included (set by
-        ``fastbatch.registry``)."""
+        ``fastbatch.registry``): a divergence in one sends all to vLLM's code."""
         return self._siblings
 
     @siblings.setter
     def siblings(self, patches: tuple[Patch, ...]) -> None:
         self._siblings = tuple(patches)
-        self._share_divergence()
+        self.verification.siblings = tuple(patch.verification for patch in self._siblings)
 
-    def _share_divergence(self) -> None:
-        diverged = any(sibling._divergences for sibling in self._siblings)
-        for sibling in self._siblings:
-            sibling.piece_diverged = diverged
+    # ``verification``'s fields, read (and set, by tests) through the patch
+    verify_rate = property(lambda self: self.verification.rate,
+                           lambda self, value: setattr(self.verification, "rate", value),
+                           doc="The share of calls ``FASTBATCH_VERIFY`` checks.")
+    checked = property(lambda self: self.verification.checked,
+                       lambda self, value: setattr(self.verification, "checked", value),
+                       doc="The calls compared with vLLM's code.")
+    divergences = property(lambda self: self.verification.divergences,
+                           lambda self, value: setattr(self.verification, "divergences", value),
+                           doc="The calls found different from vLLM's.")
+    reproducers = property(lambda self: self.verification.reproducers,
+                           lambda self, value: setattr(self.verification, "reproducers", value),
+                           doc="The reproducers written for them.")
+    piece_diverged = property(lambda self: self.verification.piece_diverged,
+                              doc="A patch of the piece diverged: all run vLLM's code.")
 
     def original(self) -> Any:
         """vLLM's own code while the patch is applied, else None."""
@@ -192,6 +209,36 @@ class Patch:
             return f"the code of {name} is not a verified variant (fingerprint {found[:12]})"
         return None
 
+    def judge(self, force: bool = False, *, standalone: bool = False) -> Judgement:
+        """Whether the installed vLLM takes this patch, and why: the guard on
+        its target (``check_target``), then, where the guard accepts it (or
+        ``force``, ``FASTBATCH=force``) and there is code at the target, the
+        activation check (``standalone``, for a process that applies nothing:
+        not for a patch that ``requires`` another).  What ``apply`` decides
+        by, and ``python -m fastbatch`` prints."""
+        import vllm
+
+        try:
+            owner, attribute, method = _lookup(self.module, self.qualname)
+        except ImportError as exc:  # a module this vLLM cannot import here
+            return Judgement(None, "", None, f"{self.module} cannot be imported ({exc})",
+                             "not run (nothing to check)", unimportable=True)
+        problem = self.check_target(vllm.__version__, method)
+        if method is None:
+            return Judgement(owner, attribute, None, problem, "not run (nothing to check)")
+        if problem is not None and not force:
+            return Judgement(owner, attribute, method, problem, "not run (target refused)")
+        if standalone and self.requires is not None:
+            return Judgement(owner, attribute, method, problem,
+                             f"run once {self.requires.target} is replaced")
+        try:
+            with _verify.suspended():  # other pieces' checked calls are not traffic
+                disagreement = self.activation_check(method, self.replacement)
+        except Exception as exc:  # any failure at all means: stay stock
+            disagreement = f"the check raised {type(exc).__name__}: {exc}"
+        return Judgement(owner, attribute, method, problem,
+                         PASSED if disagreement is None else f"failed: {disagreement}")
+
     def apply(self, force: bool = False, verify: float = 0.0) -> bool:
         """Install the replacement, once per process.  Returns True if installed.
 
@@ -208,37 +255,33 @@ class Patch:
             logger.warning("fastbatch: %s left stock: FASTBATCH_VERIFY is on and this piece "
                            "has no shadow check", self.target)
             return False
-        try:
-            owner, attribute, method = _lookup(self.module, self.qualname)
-        except ImportError as exc:  # a module this vLLM cannot import here
-            logger.warning("fastbatch: %s cannot be imported (%s); leaving it stock",
-                           self.module, exc)
+        counts = fastbatch.stats()
+        verdict = self.judge(force)
+        if verdict.unimportable:
+            logger.warning("fastbatch: %s; leaving it stock", verdict.problem)
             return False
-        problem = self.check_target(vllm.__version__, method)
-        if problem is not None:
+        if verdict.problem is not None:
             if not force:
                 logger.warning("fastbatch: %s; leaving vLLM stock (FASTBATCH=force "
-                               "patches anyway)", problem)
+                               "patches anyway)", verdict.problem)
                 return False
-            if method is None:
-                logger.warning("fastbatch: %s; nothing to patch", problem)
+            if verdict.method is None:
+                logger.warning("fastbatch: %s; nothing to patch", verdict.problem)
                 return False
             logger.warning("fastbatch: %s; patching anyway because FASTBATCH=force",
-                           problem)
-        try:
-            with _verify.suspended():  # other pieces' checked calls are not traffic
-                disagreement = self.activation_check(method, self.replacement)
-        except Exception as exc:  # any failure at all means: stay stock
-            disagreement = f"the check raised {type(exc).__name__}: {exc}"
-        if disagreement is not None:
+                           verdict.problem)
+        if verdict.check != PASSED:
             logger.error("fastbatch: activation check failed for %s (%s); leaving "
-                         "vLLM stock", self.target, disagreement)
+                         "vLLM stock", self.target, verdict.check.removeprefix("failed: "))
             return False
-        fastbatch.reset_stats()  # count vLLM's calls only, not the checks'
+        # count vLLM's calls only, not the check's: the pieces it ran start at zero
+        moved = [name for name, counters in fastbatch.stats().items() if counters != counts[name]]
+        if moved:
+            fastbatch.reset_stats(*moved)
+        method, owner, attribute = verdict.method, verdict.owner, verdict.attribute
         self._original = method
         self._stored = inspect.getattr_static(owner, attribute)
-        self._reset_verification()
-        self.verify_rate = verify
+        self.verification.reset(verify)
         installed = self.replacement
         if verify > 0:
             installed = _verify.checked_replacement(self, method, verify)
@@ -260,7 +303,7 @@ class Patch:
         owner, name, _ = _lookup(self.module, self.qualname)
         setattr(owner, name, self._stored)
         self._original = self._stored = None
-        self._reset_verification()
+        self.verification.reset()
 
     def replay(self, inputs: Any, original: Callable[..., Any] | None = None) -> str | None:
         """``fastbatch._verify.replay`` of a reproducer's ``inputs`` for this patch."""

@@ -22,12 +22,14 @@ Story and numbers: ``docs/pieces/after_schedule.md``.
 from __future__ import annotations
 
 import copy
-import dis
 from types import SimpleNamespace
 from typing import Any
 
 import fastbatch
 from fastbatch.patches._patch import Patch, Shadow, instance_dict_problem
+from fastbatch.patches._stand_ins import running_request, scheduler_attributes, use_v2_values
+
+GROUP = "scheduler"  # fastbatch.registry.GROUPS
 
 MODULE = "vllm.v1.core.sched.scheduler"
 ASYNC_MODULE = "vllm.v1.core.sched.async_scheduler"
@@ -141,23 +143,6 @@ def _update_after_schedule_async(self: Any, scheduler_output: Any) -> None:
 
 # The activation check -------------------------------------------------------
 
-def _small_request(request_id: str, prompt_len: int, num_output: int, num_computed: int,
-                   placeholders: int, structured: bool) -> Any:
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
-
-    request = Request(request_id=request_id, prompt_token_ids=list(range(3, 3 + prompt_len)),
-                      sampling_params=SamplingParams(max_tokens=64), pooling_params=None,
-                      arrival_time=0.0)
-    request.append_output_token_ids(list(range(5, 5 + num_output)))
-    request.num_computed_tokens = num_computed
-    request.num_in_flight_tokens = placeholders
-    request.num_output_placeholders = placeholders
-    if structured:  # only ``is not None`` is read here
-        request.structured_output_request = SimpleNamespace()
-    return request
-
-
 # (request id, prompt, outputs, computed, placeholders, structured, scheduled, spec)
 _BATCH = (
     ("prefill-chunk", 40, 0, 0, 0, True, 16, None),
@@ -167,37 +152,6 @@ _BATCH = (
     ("decode-spec", 6, 4, 9, 1, False, 3, [9, 10]),
     ("preempted-resume", 12, 5, 0, 0, False, 16, None),
 )
-
-
-def scheduler_attributes(cls: Any) -> set[str]:
-    """The attributes that ``cls.__init__`` (and each base class's
-    ``__init__``) assigns on ``self``, read off their bytecode: what a
-    scheduler of that class built by vLLM has (attributes that a helper
-    called from ``__init__`` sets are not seen: the check then refuses)."""
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        code = getattr(vars(klass).get("__init__"), "__code__", None)
-        if code is None or not code.co_varnames:
-            continue
-        this = code.co_varnames[0]
-        previous = None
-        for instruction in dis.get_instructions(code):
-            # ``self.name = value``: self loaded (alone, or last of a pair on
-            # 3.13) just before STORE_ATTR.
-            if (instruction.opname == "STORE_ATTR" and previous is not None
-                    and previous.opname.startswith("LOAD_FAST")
-                    and (previous.argval == this
-                         or (type(previous.argval) is tuple and previous.argval[-1] == this))):
-                names.add(instruction.argval)
-            previous = instruction
-    return names
-
-
-def use_v2_values(cls: Any) -> tuple[bool | None, ...]:
-    """The values of ``use_v2_model_runner`` to check: both where the
-    release's scheduler has the attribute (vLLM up to 0.33.0), else None (not
-    set: vLLM 0.34.0 has no such attribute)."""
-    return (False, True) if "use_v2_model_runner" in scheduler_attributes(cls) else (None,)
 
 
 def _small_scheduler(cls: Any, defer_block_free: bool,
@@ -211,7 +165,7 @@ def _small_scheduler(cls: Any, defer_block_free: bool,
     from vllm.v1.core.sched.output import SchedulerOutput
 
     scheduler = cls.__new__(cls)
-    requests = [_small_request(rid, *rest[:5]) for rid, *rest in _BATCH]
+    requests = [running_request(rid, *rest[:5]) for rid, *rest in _BATCH]
     values = {
         "requests": {request.request_id: request for request in requests},
         "defer_block_free": defer_block_free, "sched_step_seq": 1000,
@@ -292,7 +246,7 @@ def _taken() -> tuple[int, int]:
 
 
 def _check(cls: Any, method: Any, replacement: Any) -> str | None:
-    problem = instance_dict_problem(_small_request("check", 4, 0, 0, 0, False),
+    problem = instance_dict_problem(running_request("check", 4, 0, 0, 0, False),
                                     REQUEST_READ, _WRITTEN)
     if problem is not None:
         return problem

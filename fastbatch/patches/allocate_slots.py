@@ -26,9 +26,11 @@ import dataclasses
 import inspect
 from typing import Any
 
-import fastbatch
-from fastbatch import _reference
+from fastbatch import registry
 from fastbatch.patches._patch import Patch, Shadow
+from fastbatch.patches._stand_ins import hashed_request, kv_manager_state, small_manager
+
+GROUP = "scheduler"  # fastbatch.registry.GROUPS
 
 MODULE = "vllm.v1.core.kv_cache_manager"
 COORDINATOR = "vllm.v1.core.kv_cache_coordinator"
@@ -109,12 +111,9 @@ _SINGLE_TYPE_METHODS = ("get_num_blocks_to_allocate", "allocate_new_blocks",
                         "remove_skipped_blocks", "get_num_skipped_tokens",
                         "_has_partial_local_hit", "_get_num_evictable_blocks")
 
-# The piece in use: the compiled one, or its twin where it cannot be imported
-# (then the plugin leaves vLLM stock anyway).
-if fastbatch.COMPILED:
-    from fastbatch._kernels import allocate_slots as _piece
-else:
-    from fastbatch._reference import allocate_slots as _piece
+# The piece in use: the compiled one, or its twin (then the plugin leaves
+# vLLM stock anyway).
+_piece = registry.implementation("allocate_slots")
 
 # fastbatch's drop-in for ``KVCacheManager.allocate_slots``: the compiled
 # function itself, bound on vLLM's class (one compiled call per call), with
@@ -168,64 +167,6 @@ def overridden_methods() -> list[str]:
     return found
 
 
-def kv_manager_state(manager: Any) -> Any:
-    """A KV-cache manager's state as plain data: block tables, cached counts,
-    free queue order, ref counts and hashes, and the prefix cache's entries
-    (each hash with the ids of the blocks cached under it)."""
-    pool = manager.block_pool
-    return (
-        [({rid: [block.block_id for block in blocks]
-           for rid, blocks in single.req_to_blocks.items()},
-          dict(single.num_cached_block), sorted(single._partial_hit_reqs))
-         for single in manager.coordinator.single_type_managers],
-        [block.block_id for block in pool.free_block_queue.get_all_free_blocks()],
-        [(block.block_id, block.ref_cnt, block.block_hash) for block in pool.blocks],
-        _prefix_cache_entries(pool.cached_block_hash_to_block),
-    )
-
-
-def _prefix_cache_entries(cache: Any) -> dict[Any, list[int]]:
-    """``BlockHashToBlockMap``'s entries as ``{hash: sorted block ids}``:
-    vLLM 0.34.0 keeps one block id per hash in ``_cache`` and the ids of a
-    hash cached by several blocks in ``_dup_ids``; before, ``_cache`` held a
-    block, or a dict of blocks by id."""
-    entries: dict[Any, list[int]] = {}
-    for key, value in cache._cache.items():
-        if isinstance(value, int):
-            entries[key] = [value]
-        elif isinstance(value, dict):
-            entries[key] = sorted(value)
-        else:
-            entries[key] = [value.block_id]
-    for key, ids in getattr(cache, "_dup_ids", {}).items():
-        entries[key] = sorted(ids)
-    return entries
-
-
-def _small_manager(enable_caching: bool) -> Any:
-    import torch
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    config = KVCacheConfig(num_blocks=12, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=4, num_kv_heads=1,
-                                                      head_size=1, dtype=torch.float32))])
-    return KVCacheManager(config, max_model_len=64, scheduler_block_size=4,
-                          hash_block_size=4, enable_caching=enable_caching)
-
-
-def _small_request(request_id: str) -> Any:
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    return Request(request_id=request_id, prompt_token_ids=[5, 6, 7, 8, 9, 10],
-                   sampling_params=SamplingParams(max_tokens=16), pooling_params=None,
-                   arrival_time=0.0, block_hasher=get_request_block_hasher(4, sha256))
-
-
 def _side_by_side(method: Any, replacement: Any, enable_caching: bool,
                   lookahead: int) -> str | None:
     """Stock and fastbatch on two small real KV-cache managers, one request
@@ -235,8 +176,8 @@ def _side_by_side(method: Any, replacement: Any, enable_caching: bool,
     reserved than free.  Why they differ, or None."""
     from vllm.v1.request import RequestStatus
 
-    managers = (_small_manager(enable_caching), _small_manager(enable_caching))
-    requests = (_small_request("a"), _small_request("a"))
+    managers = (small_manager(enable_caching), small_manager(enable_caching))
+    requests = (hashed_request("a"), hashed_request("a"))
     for step in range(12):
         results = []
         sides = zip(managers, requests, (method, replacement), strict=True)
@@ -314,11 +255,8 @@ _ARGUMENTS = ("num_new_tokens", "num_new_computed_tokens", "new_computed_blocks"
 
 
 def _counted(counter: str) -> int:
-    """A counter of the pieces (compiled and twin) together."""
-    count = _reference.allocate_slots.stats()[counter]
-    if fastbatch.COMPILED:
-        count += _piece.stats()[counter]
-    return count
+    """A counter of the piece in use (compiled, or its twin)."""
+    return _piece.stats()[counter]
 
 
 def _state(manager: Any, request_id: str) -> tuple[Any, ...]:

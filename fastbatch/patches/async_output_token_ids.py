@@ -24,7 +24,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import fastbatch
+from fastbatch.patches._compare import NoWait
 from fastbatch.patches._patch import Patch, Shadow
+
+GROUP = "runner"  # fastbatch.registry.GROUPS
 
 VERIFIED_FINGERPRINTS = {
     "750912c3409c1ae39bfb6e08f3193b19c693959dbe06dc10f4fa0216dc8e7d4e":
@@ -83,12 +86,6 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     return None
 
 
-class _NoWait:
-    """The copy-ready event of a replayed reproducer: the ids are already there."""
-
-    def synchronize(self) -> None:
-        pass
-
 
 def _tail_start(token_ids: list[int]) -> int:
     """Where the part of ``token_ids`` that vLLM's loop can touch begins: the
@@ -126,7 +123,7 @@ def _run(method: Any, inputs: dict[str, Any]) -> list[tuple[int, list[int]] | No
         req_ids=inputs["req_ids"], prev_req_id_to_index=inputs["prev_req_id_to_index"],
         sampling_metadata=SimpleNamespace(output_token_ids=tails),
         sampled_token_ids_cpu=inputs["sampled_token_ids_cpu"],
-        async_copy_ready_event=inputs.get("async_copy_ready_event") or _NoWait()))
+        async_copy_ready_event=inputs.get("async_copy_ready_event") or NoWait()))
     return [None if tail is None else (start + len(tail), tail)
             for tail, start in zip(tails, inputs["offsets"], strict=True)]
 

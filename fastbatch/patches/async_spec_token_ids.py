@@ -27,6 +27,8 @@ from typing import Any
 import fastbatch
 from fastbatch.patches._patch import Patch, Shadow
 
+GROUP = "runner"  # fastbatch.registry.GROUPS
+
 VERIFIED_FINGERPRINTS = {
     "a06449b72018712e2310918469fdcbd9b61b8d0ba3a9db6cc9b8a7bf84313bf4":
         "vLLM 0.21.0-0.33.0",

@@ -29,6 +29,8 @@ from typing import Any
 import fastbatch
 from fastbatch.patches._patch import Patch, Shadow
 
+GROUP = "runner"  # fastbatch.registry.GROUPS
+
 try:  # the names vLLM's method uses, from where vLLM's module takes them
     import numpy as np
     import vllm.envs as envs

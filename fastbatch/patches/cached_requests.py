@@ -28,8 +28,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import fastbatch
-from fastbatch import _reference
+from fastbatch import registry
 from fastbatch.patches._patch import Patch, Shadow
+
+GROUP = "scheduler"  # fastbatch.registry.GROUPS
 
 MODULE = "vllm.v1.core.sched.scheduler"
 
@@ -235,13 +237,8 @@ def arguments_of(shape: str, running: list[Any], resumed: list[Any],
 
 
 def _counted() -> int:
-    """The ``requests`` counter of the piece (compiled and twin together)."""
-    count = _reference.cached_requests.stats()["requests"]
-    if fastbatch.COMPILED:
-        from fastbatch._kernels import cached_requests as kernel
-
-        count += kernel.stats()["requests"]
-    return count
+    """The ``requests`` counter of the piece in use (compiled, or its twin)."""
+    return registry.implementation("cached_requests").stats()["requests"]
 
 
 def activation_check(method: Any, replacement: Any) -> str | None:

@@ -29,7 +29,9 @@ from typing import Any
 
 import fastbatch
 from fastbatch.patches._patch import Patch, Shadow
-from fastbatch.patches.update_sample_logprobs import ByteTokenizer
+from fastbatch.patches._texts import ByteTokenizer
+
+GROUP = "front end"  # fastbatch.registry.GROUPS
 
 MODULE = "vllm.entrypoints.openai.chat_completion.serving"
 BASE_MODULE = "vllm.entrypoints.generate.base.serving"

@@ -26,8 +26,10 @@ import importlib
 import sys
 from typing import Any
 
-import fastbatch
+from fastbatch import registry
 from fastbatch.patches._patch import Patch, Shadow, instance_dict_problem
+
+GROUP = "front end"  # fastbatch.registry.GROUPS
 
 MODULE = "vllm.v1.engine.detokenizer"
 TARGET = f"{MODULE}:BaseIncrementalDetokenizer.update"
@@ -45,12 +47,9 @@ COMPANION_FINGERPRINTS = {
 STATE = ("token_ids", "output_text", "stop", "min_tokens", "include_stop_str_in_output")
 
 
-# The piece in use: the compiled one, or its twin where it cannot be imported
-# (then the plugin leaves vLLM stock anyway).
-if fastbatch.COMPILED:
-    from fastbatch._kernels import detokenizer_update as _piece
-else:
-    from fastbatch._reference import detokenizer_update as _piece
+# The piece in use: the compiled one, or its twin (then the plugin leaves
+# vLLM stock anyway).
+_piece = registry.implementation("detokenizer_update")
 
 # fastbatch's drop-in for ``BaseIncrementalDetokenizer.update``: the compiled
 # function itself, bound on vLLM's class (no Python frame before the compiled

@@ -28,8 +28,10 @@ from typing import Any
 import torch
 
 import fastbatch
+from fastbatch.patches._compare import NoWait, rows_problem, tensor_copy, unchanged
 from fastbatch.patches._patch import Patch, Shadow
-from fastbatch.patches.parse_output import rows_problem, tensor_copy, unchanged
+
+GROUP = "runner"  # fastbatch.registry.GROUPS
 
 VERIFIED_FINGERPRINTS = {
     "6edab22cb7838f88ab9d0c6b6b464dd987d20db3adf3f4c37392a498b47aad40":
@@ -93,12 +95,6 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     return None
 
 
-class _NoWait:
-    """The event of a replayed reproducer: the drafts are already there."""
-
-    def synchronize(self) -> None:
-        pass
-
 
 def _snapshot(runner: Any) -> dict[str, Any] | None:
     """A copy of the buffer's rows in use and of the request ids, once the
@@ -131,7 +127,7 @@ def _run(method: Any, inputs: dict[str, Any]) -> dict[str, Any]:
         _draft_token_ids=torch.empty((0, inputs["num_spec_tokens"]), dtype=torch.int64),
         _draft_token_req_ids=list(inputs["req_ids"]),
         draft_token_ids_cpu=tensor_copy(inputs["rows"]),
-        draft_token_ids_event=inputs.get("draft_token_ids_event") or _NoWait(),
+        draft_token_ids_event=inputs.get("draft_token_ids_event") or NoWait(),
         input_batch=SimpleNamespace(req_ids=[]))
     return _state(method(runner), runner._draft_token_req_ids, runner.draft_token_ids_cpu,
                   inputs)

@@ -26,8 +26,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import fastbatch
+from fastbatch.patches._compare import NoWait, rows_problem, tensor_copy, unchanged
 from fastbatch.patches._patch import Patch, Shadow
-from fastbatch.patches.parse_output import rows_problem, tensor_copy, unchanged
+
+GROUP = "runner"  # fastbatch.registry.GROUPS
 
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 VERIFIED_FINGERPRINTS = {
@@ -147,12 +149,6 @@ RELEASED = ("_logprobs_tensors", "_sampled_token_ids", "_num_nans")
 UNSET = "<unset>"  # an attribute the object does not have (picklable)
 
 
-class _NoWait:
-    """The copy-ready event of a replayed reproducer: the ids are already there."""
-
-    def synchronize(self) -> None:
-        pass
-
 
 def _snapshot(output: Any) -> dict[str, Any] | None:
     """What the method reads, the ids and indices copied (the method, or a
@@ -200,7 +196,7 @@ def _run(method: Any, inputs: dict[str, Any]) -> dict[str, Any]:
         _model_runner_output=SimpleNamespace(req_id_to_index=inputs["req_id_to_index"],
                                              **inputs["written_before"]),
         _invalid_req_indices=copy.copy(inputs["invalid_req_indices"]),
-        async_copy_ready_event=inputs.get("async_copy_ready_event") or _NoWait(),
+        async_copy_ready_event=inputs.get("async_copy_ready_event") or NoWait(),
         vocab_size=inputs["vocab_size"],
         sampled_token_ids_cpu=tensor_copy(inputs["sampled_token_ids_cpu"]),
         _logprobs_tensors_cpu=inputs["logprobs_tensors_cpu"],

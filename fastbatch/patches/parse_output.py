@@ -22,11 +22,13 @@ Story and numbers: ``docs/pieces/parse_output.md``.
 from __future__ import annotations
 
 import copy
-import itertools
 from typing import Any
 
 import fastbatch
+from fastbatch.patches._compare import rows_problem, tensor_copy, unchanged
 from fastbatch.patches._patch import Patch, Shadow
+
+GROUP = "runner"  # fastbatch.registry.GROUPS
 
 VERIFIED_FINGERPRINTS = {
     "11df69ad2ab931ef90dcd16217b683f0468e28fe2e1bcf2ce3d0b22ee42703a9":
@@ -76,42 +78,6 @@ def activation_check(method: Any, replacement: Any) -> str | None:
                    for row in got[0]):
             return f"fastbatch gave {got[0]!r}, not lists of ints"
     return None
-
-
-def rows_problem(ours: Any, stock: list[list[int]]) -> str | None:
-    """Why ``ours`` is not exactly vLLM's ``stock`` rows (``tolist()``
-    rows), or None: the same values, as a plain ``list`` of distinct plain
-    ``list``s of plain ``int``s.  Distinct, because vLLM's callers change
-    rows in place (``clear()``, truncation)."""
-    if (type(ours) is list and ours == stock and set(map(type, ours)) <= {list}
-            and set(map(type, itertools.chain.from_iterable(ours))) <= {int}
-            and len(set(map(id, ours))) == len(ours)):
-        return None  # the common case, at C speed
-    if type(ours) is not list:
-        return f"fastbatch gave a {type(ours).__name__}, not a list"
-    if len(ours) != len(stock):
-        return f"fastbatch gave {len(ours)} rows, vLLM {len(stock)}"
-    for index, (got, expected) in enumerate(zip(ours, stock, strict=True)):
-        if type(got) is not list or got != expected or any(
-                type(item) is not int for item in got):
-            return f"row {index}: fastbatch gave {got!r}, vLLM {expected!r}"
-    return "fastbatch gave two rows that are one list object"
-
-
-def tensor_copy(tensor: Any) -> Any:
-    """A copy of an ids tensor (or array) that later writes to it do not reach."""
-    return tensor.clone() if hasattr(tensor, "clone") else copy.deepcopy(tensor)
-
-
-def unchanged(live: Any, saved: Any) -> bool:
-    """Whether the ids tensor (or array) ``live`` still holds ``saved``'s values."""
-    import numpy as np
-    import torch
-
-    if isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor):
-        return (live.shape == saved.shape and live.dtype == saved.dtype
-                and bool(torch.equal(live, saved.to(live.device))))
-    return bool(np.array_equal(live, saved))
 
 
 def _snapshot(output_token_ids: Any, vocab_size: Any, discard_req_indices: Any = (),

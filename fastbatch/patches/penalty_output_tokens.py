@@ -28,6 +28,8 @@ from typing import Any
 import fastbatch
 from fastbatch.patches._patch import Patch, Shadow
 
+GROUP = "runner"  # fastbatch.registry.GROUPS
+
 MODULE = "vllm.v1.sample.ops.penalties"
 
 VERIFIED_FINGERPRINTS = {

@@ -27,6 +27,8 @@ from typing import Any
 import fastbatch
 from fastbatch.patches._patch import Patch, Shadow
 
+GROUP = "runner"  # fastbatch.registry.GROUPS
+
 MODULE = "vllm.v1.worker.gpu_model_runner"
 VERIFIED_FINGERPRINTS = {
     "8acebd554ae724f6e9bed24d4409725ef841db91037cf61903059b96ea227058":

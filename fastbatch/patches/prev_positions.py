@@ -29,6 +29,8 @@ from typing import Any
 import fastbatch
 from fastbatch.patches._patch import Patch, Shadow
 
+GROUP = "runner"  # fastbatch.registry.GROUPS
+
 VERIFIED_FINGERPRINTS = {
     "893294565635b3d165e588f7fc95aeb9a9748c0a4620b0f7882778dc6f86948f":
         "vLLM 0.21.0-0.33.0",

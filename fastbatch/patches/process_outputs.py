@@ -27,11 +27,12 @@ import copy
 import random
 from typing import Any
 
-import fastbatch
-from fastbatch import _verify
-from fastbatch.patches import update_sample_logprobs
+from fastbatch import _verify, registry
+from fastbatch.patches import _texts
 from fastbatch.patches._patch import Patch, Shadow
 from fastbatch.patches._source import assigned, compile_in_module, function_tree
+
+GROUP = "front end"  # fastbatch.registry.GROUPS
 
 MODULE = "vllm.v1.engine.output_processor"
 TARGET = f"{MODULE}:OutputProcessor.process_outputs"
@@ -67,12 +68,9 @@ _LOOP_LIST = "engine_core_outputs"
 _LOOP = f"for engine_core_output in {_LOOP_LIST}:"
 _HELPER = "_fastbatch_process_output"
 
-# The piece in use: the compiled one, or its twin where it cannot be imported
-# (then the plugin leaves vLLM stock anyway).
-if fastbatch.COMPILED:
-    from fastbatch._kernels import process_outputs as _piece
-else:
-    from fastbatch._reference import process_outputs as _piece
+# The piece in use: the compiled one, or its twin (then the plugin leaves
+# vLLM stock anyway).
+_piece = registry.implementation("process_outputs")
 
 
 # ---------------------------------------------------------------------------
@@ -187,7 +185,7 @@ def process_outputs(self: Any, engine_core_outputs: Any, engine_core_timestamp: 
     ``update_sample_logprobs`` piece (a vLLM tokenizer pool borrowed from
     once for the step's first-sight texts)."""
     built = _CHECKED if PATCH.verify_rate > 0 else _FAST
-    with update_sample_logprobs.STEP:
+    with _texts.STEP:
         return built(self, engine_core_outputs, engine_core_timestamp, iteration_stats,
                      weight_version)
 

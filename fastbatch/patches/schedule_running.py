@@ -26,14 +26,15 @@ import contextlib
 import copy
 import random
 import sys
-from types import MethodType
 from typing import Any
 
 import fastbatch
-from fastbatch import _verify
-from fastbatch.patches import allocate_slots as allocate_slots_patch
+from fastbatch import _verify, registry
 from fastbatch.patches._patch import Patch, Shadow, instance_dict_problem
 from fastbatch.patches._source import assigned, compile_in_module, function_tree
+from fastbatch.patches._stand_ins import kv_manager_state, running_scheduler, scheduled_request
+
+GROUP = "scheduler"  # fastbatch.registry.GROUPS
 
 MODULE = "vllm.v1.core.sched.scheduler"
 TARGET = f"{MODULE}:Scheduler.schedule"
@@ -81,12 +82,13 @@ CONTAINERS = ("scheduled_running_reqs", "req_to_new_blocks", "num_scheduled_toke
 _LOOP_TEST = "req_index < len(self.running) and token_budget > 0"
 _HELPER = "_fastbatch_schedule_running"
 
-# allocate_slots' piece in use: the compiled one, or its twin where it cannot
-# be imported (then the plugin leaves vLLM stock anyway).
-if fastbatch.COMPILED:
-    from fastbatch._kernels import allocate_slots as _allocate_piece
-else:
-    from fastbatch._reference import allocate_slots as _allocate_piece
+# allocate_slots' piece in use (the compiled loop calls its plan), and its patch
+_allocate_piece = registry.implementation("allocate_slots")
+
+
+def _allocate_slots_patch() -> Any:
+    """``allocate_slots``' patch module (its guard, its binding)."""
+    return registry.piece("allocate_slots").module
 
 
 # ---------------------------------------------------------------------------
@@ -217,12 +219,12 @@ def verified_allocate_slots() -> tuple[Any, ...]:
 
     from fastbatch._fingerprint import fingerprint
 
-    stock = allocate_slots_patch.PATCH.original() or KVCacheManager.allocate_slots
+    stock = _allocate_slots_patch().PATCH.original() or KVCacheManager.allocate_slots
     try:
         found = fingerprint(stock)
     except (TypeError, OSError, SyntaxError, ValueError):
         return ()
-    return (stock,) if found in allocate_slots_patch.VERIFIED_FINGERPRINTS else ()
+    return (stock,) if found in _allocate_slots_patch().VERIFIED_FINGERPRINTS else ()
 
 
 def bind(method: Any = None) -> None:
@@ -240,8 +242,8 @@ def bind(method: Any = None) -> None:
     _SCHEDULE = transformed(method, _schedule_running)
     _VLLM_LOOP = vllm_running_loop(method)
     _KINDS = (Request, _allocate_piece.allocate_slots, token_store(), verified_allocate_slots())
-    if not allocate_slots_patch.PATCH.is_applied():
-        allocate_slots_patch.bind()
+    if not _allocate_slots_patch().PATCH.is_applied():
+        _allocate_slots_patch().bind()
 
 
 def schedule(self: Any, throttle_prefills: bool = False) -> Any:
@@ -266,29 +268,6 @@ SCHEDULER_READ = ("running", "ec_connector", "need_mamba_block_aligned_split",
                   "num_prefill_lookahead", "num_lookahead_tokens", "kv_cache_manager")
 
 
-def _request(request_id: str, prompt_len: int, num_output: int, num_computed: int,
-             placeholders: int = 0, spec: tuple[int, ...] = (), max_tokens: int = 64,
-             prefill_chunk: bool = False, eligible: int = 0, encoder: bool = False) -> Any:
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request, RequestStatus
-
-    init_none_hash(sha256)
-    request = Request(request_id=request_id, prompt_token_ids=list(range(3, 3 + prompt_len)),
-                      sampling_params=SamplingParams(max_tokens=max_tokens),
-                      pooling_params=None, arrival_time=0.0,
-                      block_hasher=get_request_block_hasher(_BLOCK_SIZE, sha256))
-    request.append_output_token_ids(list(range(5, 5 + num_output)))
-    request.num_computed_tokens = num_computed
-    request.num_output_placeholders = placeholders
-    request.spec_token_ids = list(spec)
-    request.is_prefill_chunk = prefill_chunk
-    request.next_decode_eligible_step = eligible
-    request.status = RequestStatus.RUNNING
-    return request
-
-
 # (request id, prompt, outputs, computed, placeholders, spec, max_tokens,
 #  prefill chunk, eligible step)
 _BATCH = (
@@ -308,41 +287,11 @@ _BATCH = (
 _BLOCK_SIZE, _MAX_MODEL_LEN = 4, 128
 
 
-def _small_scheduler(cls: Any, allocate: Any, *, lookahead: int, prefill_lookahead: int,
-                     budget: int, defer_prefills: bool = False,
-                     batch: tuple[tuple[Any, ...], ...] = _BATCH) -> Any:
-    """A scheduler of class ``cls`` (built without ``__init__``: the
-    attributes the loop reads) over a small real KV-cache manager (prefix
-    caching on, ``allocate`` its ``allocate_slots``) holding the blocks of
-    ``batch``'s requests (rows as ``_BATCH``'s), and the loop's locals."""
-    import torch
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    config = KVCacheConfig(num_blocks=12 * len(batch), kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=_BLOCK_SIZE, num_kv_heads=1,
-                                                      head_size=1, dtype=torch.float32))])
-    manager = KVCacheManager(config, max_model_len=_MAX_MODEL_LEN,
-                             scheduler_block_size=_BLOCK_SIZE, hash_block_size=_BLOCK_SIZE,
-                             enable_caching=True)
-    manager.allocate_slots = MethodType(allocate, manager)
-    scheduler = cls.__new__(cls)
-    scheduler.running = [_request(*row) for row in batch]
-    scheduler.kv_cache_manager = manager
-    scheduler.ec_connector, scheduler.need_mamba_block_aligned_split = None, False
-    scheduler.current_step, scheduler.max_model_len = 5, _MAX_MODEL_LEN
-    scheduler.num_sampled_tokens_per_step = 1
-    scheduler.num_prefill_lookahead, scheduler.num_lookahead_tokens = prefill_lookahead, lookahead
-    (single,) = manager.coordinator.single_type_managers
-    pool = manager.block_pool
-    for request in scheduler.running:
-        held = -(-(request.num_computed_tokens + 1) // single.block_size)
-        single.req_to_blocks[request.request_id] = pool.get_new_blocks(held)
-        single.num_cached_block[request.request_id] = 0
-    return scheduler, {
-        "req_index": 0, "token_budget": budget, "input_budget": budget + 40,
-        "draft_slots": lookahead, "long_prefill_token_threshold": 8,
-        "defer_prefills": defer_prefills, "prefill_scheduled": False, "drafts_needed": False}
+def _small_scheduler(cls: Any, allocate: Any, *, batch: tuple[tuple[Any, ...], ...] = _BATCH,
+                     **settings: Any) -> Any:
+    """``_stand_ins.running_scheduler`` of ``batch`` (rows as ``_BATCH``'s)."""
+    return running_scheduler(cls, allocate, batch, block_size=_BLOCK_SIZE,
+                             max_model_len=_MAX_MODEL_LEN, **settings)
 
 
 def _loop_state(scheduler: Any, locals_: dict[str, Any]) -> Any:
@@ -356,7 +305,7 @@ def _loop_state(scheduler: Any, locals_: dict[str, Any]) -> Any:
         {rid: blocks(value) for rid, value in locals_["req_to_new_blocks"].items()},
         dict(locals_["num_scheduled_tokens"]), dict(locals_["scheduled_spec_decode_tokens"]),
         [(request.request_id, request.spec_token_ids) for request in scheduler.running],
-        allocate_slots_patch.kv_manager_state(scheduler.kv_cache_manager),
+        kv_manager_state(scheduler.kv_cache_manager),
     )
 
 
@@ -415,12 +364,13 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     unread = sorted(set(SCHEDULER_READ) - scheduler_reads(method))
     if unread:
         return f"vLLM's running loop reads no scheduler attribute {unread}"
-    problem = instance_dict_problem(_request("check", 4, 0, 0), REQUEST_READ, ("spec_token_ids",))
+    problem = instance_dict_problem(scheduled_request("check", 4, 0, 0, block_size=_BLOCK_SIZE),
+                                    REQUEST_READ, ("spec_token_ids",))
     if problem is not None:
         return problem
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    stock_allocate = allocate_slots_patch.PATCH.original() or KVCacheManager.allocate_slots
+    stock_allocate = _allocate_slots_patch().PATCH.original() or KVCacheManager.allocate_slots
     for lookahead, prefill_lookahead, budget, defer in ((0, 0, 400, False), (3, 2, 400, True),
                                                         (3, 0, 21, False)):
         states = []

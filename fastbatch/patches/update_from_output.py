@@ -22,21 +22,38 @@ Story and numbers: ``docs/pieces/update_from_output.md``.
 
 from __future__ import annotations
 
-import collections
-import collections.abc
 import contextlib
 import copy
 import dataclasses
-import enum
 import logging
-import weakref
 from array import array
 from types import SimpleNamespace
 from typing import Any
 
 import fastbatch
-from fastbatch.patches import allocate_slots
+from fastbatch import registry
+from fastbatch.patches._compare import (
+    COPIED_LISTS,
+    copy_request,
+    first_difference,
+    hasher_description,
+    kv_calls,
+    kv_probe,
+    kv_view,
+    plain,
+    request_state,
+)
 from fastbatch.patches._patch import Patch, Shadow, instance_dict_problem
+from fastbatch.patches._stand_ins import (
+    planted_refusals_unlogged,
+    side_state,
+    stand_in_logprobs,
+    stand_in_requests,
+    stand_in_scheduler,
+    with_stand_in_grammars,
+)
+
+GROUP = "scheduler"  # fastbatch.registry.GROUPS
 
 logger = logging.getLogger("vllm.fastbatch")
 
@@ -113,7 +130,8 @@ COMPANION_FINGERPRINTS = {
             "vLLM 0.32.0-0.33.0"},
     # The coordinator's and the full-attention manager's caching, as pinned
     # for the allocation fast path.
-    **{name: fingerprints for name, fingerprints in allocate_slots.COMPANION_FINGERPRINTS.items()
+    **{name: fingerprints for name, fingerprints
+       in registry.piece("allocate_slots").module.COMPANION_FINGERPRINTS.items()
        if name.endswith(("cache_blocks", "get_num_cacheable_tokens", ":replay_boundaries"))},
 }
 # What the compiled call reads or writes of a Request (plain instance attributes).
@@ -228,7 +246,7 @@ def _variant(scheduler: Any) -> int | None:
 _MISSING = object()
 
 
-def _step_is_plain(scheduler: Any, model_runner_output: Any) -> bool:
+def _step_isplain(scheduler: Any, model_runner_output: Any) -> bool:
     """Nothing in this step that vLLM's loop handles around the requests.
     Scheduler state that vLLM reads only on some path (a stand-in scheduler
     may lack it) is read with a default: missing, the step is vLLM's."""
@@ -339,7 +357,7 @@ def _fast_variant(scheduler: Any, scheduler_output: Any, model_runner_output: An
     if _KINDS is None:
         _bind()
     variant = _variant(scheduler)
-    if (variant is None or not _step_is_plain(scheduler, model_runner_output)
+    if (variant is None or not _step_isplain(scheduler, model_runner_output)
             # Spec decoding with drafts for every request, none taken: nothing to take.
             or (not drafts and len(scheduler_output.scheduled_spec_decode_tokens)
                 >= len(scheduler_output.num_scheduled_tokens))):
@@ -451,312 +469,13 @@ def update_from_output(self: Any, scheduler_output: Any,
 # On a difference the compiled call's writes are undone and vLLM's method
 # runs on the whole step, so the state after the call is exactly stock's.
 
-# Request attributes vLLM's method may change in place: copied for the shadow
-# (the rest of a request is shared with its copy and compared by identity).
-_COPIED_LISTS = ("_output_token_ids", "_all_token_ids", "block_hashes", "events",
-                 "spec_token_ids")
-_COPIED_DEEP = ("prefill_stats", "spec_decode_metrics", "streaming_queue",
-                "_prompt_embeds_per_block_hashes")
-_TOKEN_LISTS = ("_output_token_ids", "_all_token_ids", "block_hashes")
-_VIEWS = {"output_token_ids": "_output_token_ids", "all_token_ids": "_all_token_ids"}
 _SCHEDULER_SETTINGS = ("max_model_len", "num_spec_tokens", "num_sampled_tokens_per_step",
                        "is_mm_encoder_only", "spec_decode_metrics_level",
                        "recompute_kv_load_failures", "has_mamba_layers")
-_SCALAR_TYPES = frozenset((type(None), bool, int, float, str, bytes))
-_HASHER = "vllm request_block_hasher"
-_HASHERS: dict[tuple[Any, ...], Any] = {}
-
-
-def _plain(value: Any, depth: int = 0) -> Any:
-    """``value`` as comparable, picklable data (KV blocks by id, requests by id)."""
-    if value is None or isinstance(value, (bool, int, float, str, bytes, enum.Enum)):
-        return value
-    if isinstance(value, array):  # vLLM 0.34's TokenBuffer
-        return (type(value).__qualname__, value.typecode, value.tolist())
-    if depth > 24:
-        return ("too deep", type(value).__qualname__)
-    depth += 1
-    if type(value) is list:
-        if all(type(item) is int for item in value):
-            return list(value)
-        return [_plain(item, depth) for item in value]
-    if isinstance(value, (list, tuple, collections.deque)):
-        return (type(value).__qualname__, [_plain(item, depth) for item in value])
-    if isinstance(value, dict):
-        return (type(value).__qualname__,
-                [(_plain(key, depth), _plain(item, depth)) for key, item in value.items()])
-    if isinstance(value, (set, frozenset)):
-        return ("set", sorted(repr(_plain(item, depth)) for item in value))
-    block_id = getattr(value, "block_id", None)
-    if type(block_id) is int:
-        return ("block", block_id)
-    request_id = getattr(value, "request_id", None)
-    if type(request_id) is str and hasattr(value, "_all_token_ids"):
-        return ("request", request_id)
-    fields = getattr(type(value), "__struct_fields__", None)
-    if fields is not None:
-        return (type(value).__qualname__,
-                {name: _plain(getattr(value, name), depth) for name in fields})
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return (type(value).__qualname__,
-                {field.name: _plain(getattr(value, field.name), depth)
-                 for field in dataclasses.fields(value)})
-    if (hasattr(value, "tobytes") and hasattr(value, "strides")
-            and not getattr(getattr(value, "dtype", None), "hasobject", True)):
-        # numpy, exactly: dtype, shape, strides and bytes (a NaN equals itself)
-        return (type(value).__qualname__, value.dtype.str, value.shape, value.strides,
-                value.tobytes())
-    if hasattr(value, "tolist") and hasattr(value, "dtype"):
-        return (type(value).__qualname__, str(value.dtype), value.tolist())
-    if isinstance(value, collections.abc.Iterator):
-        return ("iterator", [_plain(item, depth) for item in value])
-    if hasattr(value, "__dict__") and not callable(value):
-        return (type(value).__qualname__,
-                {name: _plain(item, depth) for name, item in vars(value).items()})
-    return (type(value).__qualname__, repr(value))
-
-
-def _equal(ours: Any, stock: Any) -> bool:
-    try:
-        return bool(ours == stock)
-    except Exception:  # arrays inside: compare as plain data
-        return _plain(ours) == _plain(stock)
-
-
-def _first_difference(ours: Any, stock: Any, path: str = "") -> str | None:
-    if _equal(ours, stock):
-        return None
-    if hasattr(type(ours), "__struct_fields__") and type(ours) is type(stock):
-        return _first_difference(_plain(ours)[1], _plain(stock)[1], path)
-    if type(ours) is not type(stock):
-        return f"{path or 'outcome'}: fastbatch {ours!r:.300}, vLLM {stock!r:.300}"
-    if isinstance(ours, dict):
-        for key in list(ours) + [key for key in stock if key not in ours]:
-            if key not in ours or key not in stock:
-                return (f"{path}[{key!r}]: only in "
-                        f"{'fastbatch' if key in ours else 'vLLM'}'s outcome")
-            found = _first_difference(ours[key], stock[key], f"{path}[{key!r}]")
-            if found is not None:
-                return found
-        return None
-    if isinstance(ours, (list, tuple)) and len(ours) == len(stock):
-        for index, (left, right) in enumerate(zip(ours, stock, strict=True)):
-            found = _first_difference(left, right, f"{path}[{index}]")
-            if found is not None:
-                return found
-        return None
-    return f"{path or 'outcome'}: fastbatch {ours!r:.300}, vLLM {stock!r:.300}"
-
-
-class _BlockRef:
-    """A KV-cache block of the shadow's copy of the manager: its id only."""
-
-    __slots__ = ("block_id",)
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-
-
-class _BlockPoolProbe:
-    """The block pool of the shadow's copy of the KV-cache manager: the pool's
-    settings, and a record of every call made to it (none is carried out)."""
-
-    SETTINGS = ("num_gpu_blocks", "medium", "enable_caching", "hash_block_size",
-                "num_hash_lookahead_tokens", "enable_kv_cache_events")
-
-    def __init__(self, pool: Any) -> None:
-        for name in self.SETTINGS:
-            if hasattr(pool, name):
-                setattr(self, name, getattr(pool, name))
-        self.calls: list[Any] = []
-
-    def take_events(self) -> list[Any]:
-        return []
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in self.SETTINGS or name == "calls":
-            raise AttributeError(name)
-
-        def record(*args: Any, **kwargs: Any) -> None:
-            self.calls.append((name, _plain(args), _plain(kwargs)))
-
-        return record
-
-
-def _same(block: Any) -> Any:
-    return block
-
-
-def _block_ref(block: Any) -> _BlockRef:
-    return block if type(block) is _BlockRef else _BlockRef(block.block_id)
-
-
-def _kv_probe(manager: Any, request_ids: Any = None, detach: bool = False) -> Any:
-    """A copy of the KV-cache manager (of ``request_ids``' part of it, or all
-    of a probe's) whose block pool only records: what vLLM's ``cache_blocks``
-    and ``free`` would change is seen in the copy, nothing in vLLM's own.  The
-    copy's block tables hold the very blocks (the calls that would change
-    them are only recorded), or with ``detach`` their ids (for pickling)."""
-    block_ref = _block_ref if detach else _same
-    live_pool = manager.block_pool
-    pool = _BlockPoolProbe(live_pool)
-    probe = copy.copy(manager)
-    probe.block_pool = pool
-    if getattr(probe, "metrics_collector", None) is not None:
-        probe.metrics_collector = None
-    coordinator = copy.copy(manager.coordinator)
-    coordinator.block_pool = pool
-    singles = []
-    for single in manager.coordinator.single_type_managers:
-        clone = copy.copy(single)
-        state = vars(clone)
-        for name, value in list(state.items()):
-            if value is live_pool:
-                state[name] = pool
-            elif type(getattr(value, "block_id", None)) is int:  # the null block
-                state[name] = value = copy.copy(value)
-                for link in ("prev_free_block", "next_free_block"):
-                    if hasattr(value, link):
-                        setattr(value, link, None)  # not the free queue's chain
-                owner = getattr(value, "pool", None)
-                if owner is live_pool:
-                    value.pool = pool
-                elif isinstance(owner, weakref.ref) and owner() is live_pool:  # vLLM 0.34
-                    value.pool = None if detach else weakref.ref(pool)
-            elif type(value) is list:
-                state[name] = []  # records of this step (new blocks, pending copies)
-        blocks, cached = single.req_to_blocks, single.num_cached_block
-        partial = getattr(single, "_partial_hit_reqs", {})
-        ids = list(blocks) if request_ids is None else request_ids
-        clone.req_to_blocks = collections.defaultdict(list, {
-            rid: [block_ref(block) for block in blocks[rid]] if detach else list(blocks[rid])
-            for rid in ids if rid in blocks})
-        ids = list(cached) if request_ids is None else request_ids
-        clone.num_cached_block = {rid: cached[rid] for rid in ids if rid in cached}
-        if hasattr(single, "_partial_hit_reqs"):
-            ids = list(partial) if request_ids is None else request_ids
-            clone._partial_hit_reqs = {rid: (partial[rid][0], block_ref(partial[rid][1]))
-                                       for rid in ids if rid in partial}
-        singles.append(clone)
-    coordinator.single_type_managers = tuple(singles)
-    probe.coordinator = coordinator
-    return probe
-
-
-def _kv_view(manager: Any, request_ids: list[str]) -> Any:
-    """Per single-type manager, what it keeps of each request: cached block
-    count, block ids, partial hit."""
-    view = []
-    for single in manager.coordinator.single_type_managers:
-        blocks, partial = single.req_to_blocks, getattr(single, "_partial_hit_reqs", {})
-        view.append({rid: (single.num_cached_block.get(rid),
-                           [block.block_id for block in blocks[rid]] if rid in blocks else None,
-                           _plain(partial.get(rid)))
-                     for rid in request_ids})
-    return view
-
-
-def _kv_calls(manager: Any) -> list[Any]:
-    """What the shadow's copy of the KV-cache manager was asked to do."""
-    calls = list(manager.block_pool.calls)
-    for index, single in enumerate(manager.coordinator.single_type_managers):
-        for name, value in vars(single).items():
-            if type(value) is list and value:
-                calls.append((f"group {index} {name}", _plain(value)))
-    return calls
-
-
-def _hasher_description(hasher: Any) -> Any:
-    """vLLM's block hasher as picklable data (rebuilt on replay), or as is."""
-    code = getattr(hasher, "__code__", None)
-    if code is None or hasher.__closure__ is None:
-        return hasher
-    cells = dict(zip(code.co_freevars, [cell.cell_contents for cell in hasher.__closure__],
-                     strict=True))
-    if "hash_block_size" not in cells or "caching_hash_fn" not in cells:
-        return hasher
-    return (_HASHER, cells["hash_block_size"], cells["caching_hash_fn"],
-            cells.get("num_hash_lookahead_tokens", 0))
-
-
-def _rebuild_hasher(description: tuple[Any, ...]) -> Any:
-    hasher = _HASHERS.get(description)
-    if hasher is None:
-        from vllm.v1.core import kv_cache_utils
-
-        _, block_size, hash_fn, lookahead = description
-        if getattr(kv_cache_utils, "NONE_HASH", None) is None:
-            kv_cache_utils.init_none_hash(hash_fn)
-        hasher = (kv_cache_utils.get_request_block_hasher(block_size, hash_fn, lookahead)
-                  if lookahead else kv_cache_utils.get_request_block_hasher(block_size, hash_fn))
-        _HASHERS[description] = hasher
-    return hasher
-
-
-def _copy_tokens(tokens: array) -> array:
-    """A copy of an ``array`` of token ids, of its own type (``copy.copy``
-    gives a plain ``array``; a subclass's constructor may take other arguments)."""
-    clone = array.__new__(type(tokens), tokens.typecode)
-    array.extend(clone, tokens)
-    return clone
-
-
-def _copy_request(request: Any) -> Any:
-    """A copy of ``request`` that vLLM's method can change freely: its lists
-    and per-request records copied, everything else shared."""
-    from vllm.v1.utils import ConstantList
-
-    clone = copy.copy(request)
-    state = vars(clone)
-    for name in _COPIED_LISTS:
-        if type(state.get(name)) is list:
-            state[name] = list(state[name])
-        elif isinstance(state.get(name), array):  # a TokenBuffer: its own type
-            state[name] = _copy_tokens(state[name])
-    for name in _COPIED_DEEP:
-        if state.get(name) is not None:
-            state[name] = copy.deepcopy(state[name])
-    for view, name in _VIEWS.items():
-        if view in state and isinstance(state.get(name), (list, array)):
-            state[view] = ConstantList(state[name])
-    hasher = state.get("_block_hasher")
-    if type(hasher) is tuple and hasher[:1] == (_HASHER,):
-        state["_block_hasher"] = _rebuild_hasher(hasher)
-    return clone
-
-
-def _is_scalar(value: Any) -> bool:
-    return value is None or isinstance(value, (bool, int, float, str, bytes, enum.Enum))
-
-
-def _request_state(request: Any) -> dict[str, Any]:
-    """Every instance attribute of ``request``: the copied ones by value, the
-    token-list views by whether they still show the request's lists, scalars
-    by value, any other object by identity (it is shared with the copy)."""
-    state = vars(request)
-    out: dict[str, Any] = {}
-    for name, value in state.items():
-        if name in _VIEWS:
-            out[name] = getattr(value, "_x", None) is state.get(_VIEWS[name])
-        elif name in _TOKEN_LISTS and type(value) is list:
-            out[name] = list(value)  # ints (hashes: bytes): compared as they are
-        elif name in _TOKEN_LISTS and isinstance(value, array):
-            out[name] = _plain(value)
-        elif name == "_block_hasher":
-            continue  # read only; rebuilt on replay
-        elif type(value) in _SCALAR_TYPES:
-            out[name] = value
-        elif name in _COPIED_LISTS or name in _COPIED_DEEP or _is_scalar(value):
-            out[name] = _plain(value)
-        else:
-            out[name] = ("the same object", id(value))
-    return out
-
-
 def _exact_output(output: Any) -> Any:
     """An ``EngineCoreOutput`` as compared: as is, or as plain data if it
     holds arrays (its sample logprobs)."""
-    return output if getattr(output, "new_logprobs", None) is None else _plain(output)
+    return output if getattr(output, "new_logprobs", None) is None else plain(output)
 
 
 def _outcome_of(scheduler: Any, taken: list[str], requests: dict[str, Any],
@@ -781,11 +500,11 @@ def _outcome_of(scheduler: Any, taken: list[str], requests: dict[str, Any],
                                            for output in own},
                                "finished": done}
     return {
-        "requests": {rid: (_request_state(requests[rid]), id(requests[rid]) in running,
+        "requests": {rid: (request_state(requests[rid]), id(requests[rid]) in running,
                            registered.get(rid) is requests[rid], rid in finished)
                      for rid in taken},
         "outputs": outputs,
-        "kv": _kv_view(scheduler.kv_cache_manager, taken),
+        "kv": kv_view(scheduler.kv_cache_manager, taken),
         "kv_calls": kv_calls,
     }
 
@@ -804,7 +523,7 @@ def _snapshot(scheduler: Any, scheduler_output: Any, model_runner_output: Any) -
     for rid in scheduler_output.num_scheduled_tokens:
         request = requests.get(rid)
         if request is not None and hasattr(request, "__dict__"):
-            saved[rid] = (request, dict(vars(request)), _copy_request(request))
+            saved[rid] = (request, dict(vars(request)), copy_request(request))
     rows = model_runner_output.sampled_token_ids
     runner = copy.copy(model_runner_output)
     runner.sampled_token_ids = [list(row) if type(row) is list else row for row in rows]
@@ -838,9 +557,9 @@ def _run(function: Any, inputs: dict[str, Any]) -> Any:
     memo = inputs.get("memo")
     if memo is not None and memo[0] is function:
         return memo[1]
-    requests = [_copy_request(inputs["requests"][rid]) for rid in taken]
-    scheduler = _stand_in_scheduler(inputs["cls"], True, requests,
-                                    manager=_kv_probe(inputs["kv"]))
+    requests = [copy_request(inputs["requests"][rid]) for rid in taken]
+    scheduler = stand_in_scheduler(inputs["cls"], True, requests,
+                                    manager=kv_probe(inputs["kv"]))
     scheduler.__dict__.update(inputs["settings"])
     scheduled = {rid: inputs["scheduled"][rid] for rid in taken}
     scheduler_output = SimpleNamespace(
@@ -882,7 +601,7 @@ def _run(function: Any, inputs: dict[str, Any]) -> Any:
     except Exception as exc:  # a plain outcome: FASTBATCH_VERIFY must not raise it
         return {"raised": f"{type(exc).__name__}: {exc}"}
     outcome = _outcome_of(scheduler, taken, {request.request_id: request for request in requests},
-                          results, _kv_calls(scheduler.kv_cache_manager))
+                          results, kv_calls(scheduler.kv_cache_manager))
     outcome["grammar"] = grammar_calls
     if function is _STOCK:
         outcome["drafts_counted"] = counted
@@ -897,12 +616,12 @@ def _check_taken(check: dict[str, Any], slots: list[Any], rest: dict[str, Any]) 
         taken = [rid for rid in scheduler_output.num_scheduled_tokens if rid not in rest]
         outputs = [slot for slot in slots if type(slot) is not str]
         check["taken"], check["slot_outputs"] = taken, outputs
-        check["kv"] = _kv_probe(scheduler.kv_cache_manager, taken)
+        check["kv"] = kv_probe(scheduler.kv_cache_manager, taken)
         ours = _outcome_of(scheduler, taken, {rid: saved[rid][0] for rid in taken},
                            {0: SimpleNamespace(outputs=outputs, finished_requests=None)}, [])
         ours["untouched"] = [rid for rid, (request, _, clone) in saved.items()
                              if rid not in ours["requests"]
-                             and _request_state(request) != _request_state(clone)]
+                             and request_state(request) != request_state(clone)]
         ours["drafts_counted"] = drafts_counted(scheduler_output, check["live"][2], taken)
         wanted = set(taken)
         ours["grammar"] = [(rid, tokens) for rid, tokens, _ in check.get("accepted", ())
@@ -929,7 +648,7 @@ def _undo_take(check: dict[str, Any]) -> None:
         state.clear()
         state.update(attributes)
         copied = vars(clone)
-        for name in _COPIED_LISTS:
+        for name in COPIED_LISTS:
             if type(attributes.get(name)) is list or isinstance(attributes.get(name), array):
                 attributes[name][:] = copied[name]
         table = attributes.get("_prompt_embeds_per_block_hashes")
@@ -977,7 +696,7 @@ def _compare(ours: Any, stock: Any) -> str | None:
         # (a replay runs fastbatch's method on a scheduler without statistics)
         ours.pop("drafts_counted", None)
         stock.pop("drafts_counted", None)
-    return _first_difference(ours, stock)
+    return first_difference(ours, stock)
 
 
 def _restore(inputs: dict[str, Any], stock: Any, result: Any, *args: Any) -> Any:
@@ -1015,11 +734,11 @@ def _for_reproducer(inputs: dict[str, Any]) -> dict[str, Any]:
         hasher = vars(clone).get("_block_hasher")
         if hasher is not None:
             with contextlib.suppress(Exception):  # else as is: it may not pickle
-                clone._block_hasher = _hasher_description(hasher)
+                clone._block_hasher = hasher_description(hasher)
         requests[rid] = clone
     kept["requests"] = requests
     if kept.get("kv") is not None:
-        kept["kv"] = _kv_probe(kept["kv"], detach=True)
+        kept["kv"] = kv_probe(kept["kv"], detach=True)
     return kept
 
 
@@ -1027,161 +746,9 @@ SHADOW = Shadow(snapshot=_snapshot, run=_run, outcome=_outcome, restore=_restore
                 compare=_compare, for_reproducer=_for_reproducer)
 
 
-def _stand_in_scheduler(cls: Any, enable_caching: bool, requests: list[Any],
-                        manager: Any = None) -> Any:
-    """A ``cls`` instance with just the state ``update_from_output`` reads on
-    a step without connectors, stats or structured output (no engine: the
-    check must be cheap), over ``manager`` or a small real KV-cache manager."""
-    from collections import defaultdict
-    from types import SimpleNamespace
-
-    from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    scheduler = object.__new__(cls)
-    scheduler.__dict__.update(
-        requests={request.request_id: request for request in requests},
-        running=list(requests),
-        kv_cache_manager=(allocate_slots._small_manager(enable_caching) if manager is None
-                          else manager),
-        max_model_len=64, num_spec_tokens=0, num_sampled_tokens_per_step=1,
-        defer_block_free=False, perf_metrics=None, connector=None, ec_connector=None,
-        aux_output_connector=None, return_sampling_mask=False, is_mm_encoder_only=False,
-        structured_output_manager=SimpleNamespace(
-            accept_tokens=lambda request, tokens: StructuredOutputManager.accept_tokens(
-                None, request, tokens)),  # its early return for plain requests
-        grammar_compile_error_reqs={}, encoder_cache_mismatch_reqs=set(),
-        recompute_kv_load_failures=True, log_stats=False,
-        finished_req_ids_dict=defaultdict(set), finished_req_ids=set(),
-        kv_event_publisher=None, waiting=None, kv_holding_waiting=None,
-        async_kv_waiting=None, deferred_waiting=set(), spec_decode_metrics_level=None,
-        # vLLM 0.34 reads these (the Mamba caching rule; watermarking, for a
-        # request that reports prefill stats)
-        has_mamba_layers=False, vllm_config=SimpleNamespace(watermark_config=None),
-        _parked_reservations={}, _parked_reserved_blocks=0,  # (freeing a request)
-        _inflight_prefills=set(), _kv_fetch_stages=None, _pending_encoder_input_ids={},
-        encoder_cache_manager=EncoderCacheManager(cache_size=0), deferred_frees=[],
-        sched_step_seq=0, processed_step_seq=0)
-    return scheduler
-
-
-def _stand_in_requests() -> list[Any]:
-    """Requests that cross block boundaries and stop in every way: by
-    max_tokens, a stop token, EOS, and one that must pass min_tokens first;
-    three of them with sample logprobs (1, 0 and -1: the whole vocabulary)."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    requests = []
-    for index, (max_tokens, stop, min_tokens, logprobs) in enumerate(
-            [(9, [], 0, None), (20, [31], 0, 1), (20, [], 0, 0), (20, [], 6, -1)]):
-        params = SamplingParams(max_tokens=max_tokens, stop_token_ids=stop,
-                                min_tokens=min_tokens, logprobs=logprobs)
-        params.update_from_generation_config({}, 2)  # EOS = 2
-        requests.append(Request(
-            request_id=f"r{index}", prompt_token_ids=[5, 6, 7, 8, 9, 10][:3 + index],
-            sampling_params=params, pooling_params=None, arrival_time=0.0,
-            block_hasher=get_request_block_hasher(4, sha256)))
-    return requests
-
-
-class StandInGrammar:
-    """A grammar that accepts every token but those it ``refuses``, and keeps
-    the tokens it accepted (the activation check's; the tests' lockstep
-    extends it)."""
-
-    def __init__(self, refuses: tuple[int, ...]) -> None:
-        self.refuses, self.accepted = refuses, []
-
-    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
-        if any(token in self.refuses for token in tokens):
-            return False
-        self.accepted.extend(tokens)
-        return True
-
-
-def _with_stand_in_grammars(scheduler: Any) -> None:
-    """Requests r1 and r3 get a grammar (r3's refuses token 20, its fifth),
-    advanced through vLLM's own ``StructuredOutputManager.accept_tokens``."""
-    from vllm.sampling_params import StructuredOutputsParams
-    from vllm.v1.structured_output import StructuredOutputManager
-    from vllm.v1.structured_output.request import StructuredOutputRequest
-
-    manager = object.__new__(StructuredOutputManager)
-    manager.enable_in_reasoning = True  # every token is the grammar's
-    scheduler.structured_output_manager = manager
-    for request_id, refuses in (("r1", ()), ("r3", (20,))):
-        scheduler.requests[request_id].structured_output_request = StructuredOutputRequest(
-            params=StructuredOutputsParams(regex="[a-z]*"), _grammar=StandInGrammar(refuses))
-
-
-def _not_a_planted_refusal(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith("Unexpected: grammar rejected tokens")
-
-
-@contextlib.contextmanager
-def _planted_refusals_unlogged() -> Any:
-    """vLLM's loop logs a refusal as an error: the activation check's own are
-    planted, and not logged."""
-    scheduler_logger = logging.getLogger(MODULE)
-    scheduler_logger.addFilter(_not_a_planted_refusal)
-    try:
-        yield
-    finally:
-        scheduler_logger.removeFilter(_not_a_planted_refusal)
-
-
-def _side_state(scheduler: Any, outputs: Any) -> Any:
-    import msgspec
-
-    def plain(output: Any) -> Any:
-        return {key: _plain(value) if key == "new_logprobs" else value
-                for key, value in msgspec.structs.asdict(output).items()
-                if key != "timestamp"}
-
-    return (
-        {client: {**plain(eco), "outputs": [plain(out) for out in eco.outputs]}
-         for client, eco in outputs.items()},
-        list(outputs),
-        {rid: (r.status, r.stop_reason, list(r._all_token_ids), list(r._output_token_ids),
-               r.num_computed_tokens, r.num_output_placeholders, r.num_in_flight_tokens,
-               list(r.block_hashes),
-               getattr(getattr(r.structured_output_request, "_grammar", None), "accepted",
-                       None))
-         for rid, r in scheduler.requests.items()},
-        [r.request_id for r in scheduler.running],
-        allocate_slots.kv_manager_state(scheduler.kv_cache_manager),
-    )
-
-
-def _stand_in_logprobs(numpy: Any, logprobs_lists: Any, step: int, num_rows: int) -> Any:
-    """The step's sample logprobs: none (every third step), or one row per
-    request (strided views), found by row or (every other time) through
-    ``cu_num_generated_tokens`` past a row of another request."""
-    if step % 3 == 0:
-        return None
-    shift = step % 3 - 1  # 0: cu_num_generated_tokens None; 1: rows shifted by one
-    rows = num_rows + shift
-    values = numpy.arange(rows * 12, dtype=numpy.float32).reshape(rows, 12) * -0.5 - step
-    ids = numpy.arange(rows * 12, dtype=numpy.int32).reshape(rows, 12) + step
-    return logprobs_lists(ids[:, ::2], values[:, 1::2],
-                          numpy.arange(rows, dtype=numpy.int64) + step,
-                          list(range(shift, rows)) if shift else None)
-
-
 def _fast_outputs() -> int:
     """The requests the fast path (compiled, or its twin) has taken."""
-    from fastbatch import _reference
-
-    count = _reference.update_from_output.stats()["fast_outputs"]
-    if fastbatch.COMPILED:
-        from fastbatch._kernels import update_from_output as kernel
-
-        count += kernel.stats()["fast_outputs"]
-    return count
+    return registry.implementation("update_from_output").stats()["fast_outputs"]
 
 
 def _runner_output(model_runner_output: Any, req_ids: list[str], sampled: list[list[int]],
@@ -1213,7 +780,7 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     taken_before = _fast_outputs()
     assert _SCHEDULERS is not None
     # The compiled call reads and writes these through the request's dict.
-    problem = instance_dict_problem(_stand_in_requests()[0], REQUEST_ATTRIBUTES)
+    problem = instance_dict_problem(stand_in_requests()[0], REQUEST_ATTRIBUTES)
     if problem is not None:
         return problem
     # Request i samples tokens[(step + 3 * i) % 24]: a stop token (31) and EOS (2)
@@ -1223,10 +790,10 @@ def activation_check(method: Any, replacement: Any) -> str | None:
     for cls in _SCHEDULERS:
         asynchronous = cls is _SCHEDULERS[1]
         for enable_caching in (True, False):
-            sides = [_stand_in_scheduler(cls, enable_caching, _stand_in_requests())
+            sides = [stand_in_scheduler(cls, enable_caching, stand_in_requests())
                      for _ in range(2)]
             for scheduler in sides:
-                _with_stand_in_grammars(scheduler)
+                with_stand_in_grammars(scheduler)
             for step in range(24):
                 states = []
                 for scheduler, update in zip(sides, (method, replacement), strict=True):
@@ -1250,14 +817,14 @@ def activation_check(method: Any, replacement: Any) -> str | None:
                     runner_output = _runner_output(
                         ModelRunnerOutput, req_ids,
                         [[tokens[(step + 3 * int(rid[1:])) % len(tokens)]] for rid in req_ids],
-                        _stand_in_logprobs(numpy, LogprobsLists, step, len(req_ids)))
+                        stand_in_logprobs(numpy, LogprobsLists, step, len(req_ids)))
                     scheduler_output = SimpleNamespace(
                         num_scheduled_tokens=scheduled, scheduled_spec_decode_tokens={},
                         total_num_scheduled_tokens=sum(scheduled.values()),
                         num_invalid_spec_tokens=None)
-                    with _planted_refusals_unlogged():
+                    with planted_refusals_unlogged(MODULE):
                         result = update(scheduler, scheduler_output, runner_output)
-                    states.append(_side_state(scheduler, result))
+                    states.append(side_state(scheduler, result))
                 if states and states[0] != states[1]:
                     return (f"{cls.__name__}, caching {enable_caching}, step {step}: "
                             f"fastbatch gave {states[1]}, vLLM {states[0]}")
