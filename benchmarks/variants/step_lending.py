@@ -4,7 +4,7 @@
         detokenizer_update --settings logprobs=1 --vocab 32000 --cold \
         --variant benchmarks/variants/step_lending.py
 
-Inside a step of the piece ``process_outputs``, ``update_sample_logprobs.lent``
+Inside a step of the piece ``process_outputs``, ``_texts.lent``
 gives the texts not yet in the table, and the U+FFFD corrections, one copy
 borrowed from vLLM's tokenizer pool for the whole step (side "on"); the side
 "off" gives them the pool tokenizer itself, which borrows a copy for every
@@ -13,13 +13,13 @@ call, as vLLM does.  The texts are the same both ways.
 
 from typing import Any
 
-from fastbatch.patches import update_sample_logprobs
+from fastbatch.patches import _texts
 
-_LENT = update_sample_logprobs.lent
+_LENT = _texts.lent
 
 
 def borrowed_once_a_step() -> None:
-    update_sample_logprobs.lent = _LENT
+    _texts.lent = _LENT
 
 
 def _pool_tokenizer(tokenizer: Any) -> Any:
@@ -27,7 +27,7 @@ def _pool_tokenizer(tokenizer: Any) -> Any:
 
 
 def borrowed_every_call() -> None:
-    update_sample_logprobs.lent = _pool_tokenizer
+    _texts.lent = _pool_tokenizer
 
 
 VARIANTS = {"one borrow a step": borrowed_once_a_step,

@@ -5,7 +5,7 @@
         --variant benchmarks/variants/texts_read_ahead.py
 
 With ``--cold`` every generate starts as a new process's first one
-(``update_sample_logprobs.forget()``).  Side "on": the texts are read ahead
+(``_texts.forget()``).  Side "on": the texts are read ahead
 as the output processor's construction reads them (``prewarm``), so the
 steps decode no text on first sight; side "off": nothing is read ahead, and
 each id's text is decoded the first time a step meets it.  The texts are the
@@ -14,13 +14,13 @@ same both ways.
 
 from typing import Any
 
-from fastbatch.patches import update_sample_logprobs
+from fastbatch.patches import _texts
 
-_PREWARM = update_sample_logprobs.prewarm
+_PREWARM = _texts.prewarm
 
 
 def read_ahead() -> None:
-    update_sample_logprobs.prewarm = _PREWARM
+    _texts.prewarm = _PREWARM
 
 
 def _nothing_read(tokenizer: Any) -> int:
@@ -28,7 +28,7 @@ def _nothing_read(tokenizer: Any) -> int:
 
 
 def met_on_first_sight() -> None:
-    update_sample_logprobs.prewarm = _nothing_read
+    _texts.prewarm = _nothing_read
 
 
 VARIANTS = {"texts read ahead": read_ahead, "texts on first sight": met_on_first_sight}
