@@ -128,26 +128,14 @@ if importlib.util.find_spec("vllm"):
         V1_RUNNER = importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
         if V1_RUNNER:
             import vllm.v1.worker.gpu_input_batch
-            import vllm.v1.worker.gpu_model_runner
-    import vllm.triton_utils
-    from vllm.platforms.cpu import CpuPlatform
-
-    if not V1_RUNNER and not vllm.triton_utils.HAS_TRITON:
+            import vllm.v1.worker.gpu_model_runner  # noqa: F401 (imported quietly)
+    if not V1_RUNNER:
         # vLLM 0.34.0's CPU platform refuses to build a config on x86 without
         # triton-cpu, which no registry here has.  These tests build configs for
-        # the scheduler and the output processor (pure Python), never a kernel:
-        # the flag, which the check reads at call time, is on during the check
-        # alone.
-        _stock_check = CpuPlatform.check_and_update_config.__func__
+        # the scheduler and the output processor (pure Python), never a kernel.
+        from cpu_platform import lift_triton_refusal
 
-        def _check_without_triton(cls, vllm_config):
-            vllm.triton_utils.HAS_TRITON = True
-            try:
-                return _stock_check(cls, vllm_config)
-            finally:
-                vllm.triton_utils.HAS_TRITON = False
-
-        CpuPlatform.check_and_update_config = classmethod(_check_without_triton)
+        lift_triton_refusal()
 
 settings.register_profile("ci", max_examples=2000, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])

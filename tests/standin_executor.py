@@ -613,29 +613,20 @@ def make_executor(**options: Any) -> type[StandinExecutor]:
 
 def prepare_cpu_platform() -> None:
     """In this process: vLLM 0.34.0's CPU platform configures without
-    triton-cpu (where the check refuses for that alone, it runs again with
-    ``HAS_TRITON``, which it reads at call time, true during it), and
+    triton-cpu (``cpu_platform.lift_triton_refusal``), and
     ``async_scheduling`` keeps the value asked for (the CPU platform turns it
     off).  Idempotent.  Test tooling only."""
-    import vllm.triton_utils
+    from cpu_platform import lift_triton_refusal
     from vllm.platforms.cpu import CpuPlatform
 
-    hook = CpuPlatform.__dict__["check_and_update_config"].__func__
-    if getattr(hook, "standin", False):
+    if getattr(CpuPlatform.__dict__["check_and_update_config"].__func__, "standin", False):
         return
+    lift_triton_refusal()
+    hook = CpuPlatform.__dict__["check_and_update_config"].__func__
 
     def check_and_update_config(cls, vllm_config):
         wanted = vllm_config.scheduler_config.async_scheduling
-        try:
-            hook(cls, vllm_config)
-        except RuntimeError as exc:  # raised first thing, before any change
-            if "triton" not in str(exc).lower() or vllm.triton_utils.HAS_TRITON:
-                raise
-            vllm.triton_utils.HAS_TRITON = True
-            try:
-                hook(cls, vllm_config)
-            finally:
-                vllm.triton_utils.HAS_TRITON = False
+        hook(cls, vllm_config)
         if wanted:
             vllm_config.scheduler_config.async_scheduling = True
 

@@ -19,8 +19,11 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
+
+CPU_PLATFORM = Path(__file__).resolve().parent.parent / "tests" / "cpu_platform.py"
 
 _outcomes: dict[str, str] = {}
 _durations: dict[str, float] = {}
@@ -47,28 +50,17 @@ def _lift_the_triton_check() -> None:
     """vLLM 0.34.0's CPU platform refuses to build a config on x86 without
     triton-cpu, which no registry here has; the selected tests build configs
     for the scheduler and the output processor (pure Python), never a kernel.
-    As in fastbatch's own tests/conftest.py, the flag (read at call time) is
-    on during the check alone; the same in every mode, stock included.  0.33.0
-    only warns: nothing is changed there."""
+    fastbatch's ``tests/cpu_platform.py`` lifts that refusal, as for its own
+    tests; the same in every mode, stock included.  0.33.0 only warns:
+    nothing is changed there."""
     import importlib.util
 
     if importlib.util.find_spec("vllm.v1.worker.gpu_input_batch") is not None:
         return  # Model Runner V1 is there: 0.33.0 or older
-    import vllm.triton_utils
-    from vllm.platforms.cpu import CpuPlatform
-
-    if vllm.triton_utils.HAS_TRITON:
-        return
-    stock_check = CpuPlatform.check_and_update_config.__func__
-
-    def check_without_triton(cls, vllm_config):
-        vllm.triton_utils.HAS_TRITON = True
-        try:
-            return stock_check(cls, vllm_config)
-        finally:
-            vllm.triton_utils.HAS_TRITON = False
-
-    CpuPlatform.check_and_update_config = classmethod(check_without_triton)
+    spec = importlib.util.spec_from_file_location("fastbatch_tests_cpu_platform", CPU_PLATFORM)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.lift_triton_refusal()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -38,6 +38,7 @@ import hashlib
 import io
 import json
 import os
+import resource
 import subprocess
 import sys
 import sysconfig
@@ -264,6 +265,12 @@ def link_source() -> None:
     log(f"linked {ROOT} into {site}")
 
 
+def _children_cpu() -> float:
+    """CPU seconds (user and system) of the finished child processes."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_pytest(release: str, mode: str, tree: Path, hf_home: Path, out: Path,
                workers: int, extra: list[str], files: list[str]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
@@ -290,16 +297,16 @@ def run_pytest(release: str, mode: str, tree: Path, hf_home: Path, out: Path,
         command += ["-n", str(workers)]
     command += files + extra
     log(f"{release} {mode}: {' '.join(command[1:])}")
-    start = time.monotonic()
+    start, cpu = time.monotonic(), _children_cpu()
     code = subprocess.call(command, cwd=tree, env=env)
-    seconds = time.monotonic() - start
-    log(f"{release} {mode}: pytest exit {code}, {seconds:.0f} s")
+    seconds, cpu = time.monotonic() - start, _children_cpu() - cpu
+    log(f"{release} {mode}: pytest exit {code}, {seconds:.0f} s wall, {cpu:.0f} s CPU")
     path = out / "outcomes.json"
     if not path.exists():
         raise SystemExit(f"{mode}: pytest wrote no outcomes (exit {code})")
     result = json.loads(path.read_text())
     result["statuses"] = [json.loads(p.read_text()) for p in sorted(out.glob("status-*.json"))]
-    result["seconds"] = round(seconds)
+    result["seconds"], result["cpu_seconds"] = round(seconds), round(cpu)
     return result
 
 
@@ -396,7 +403,8 @@ def main() -> int:
         counts: dict = {}
         for outcome in result["outcomes"].values():
             counts[outcome] = counts.get(outcome, 0) + 1
-        log(f"{release} {mode}: {counts}, {result['seconds']} s")
+        log(f"{release} {mode}: {counts}, {result['seconds']} s wall, "
+            f"{result['cpu_seconds']} s CPU")
         if mode == "stock":
             if args.record:
                 sdist = SDISTS[release]
