@@ -1,4 +1,5 @@
-"""Benchmark fixtures: the compiled floor kernel and one grid state at a time."""
+"""Benchmark fixtures: the compiled floor kernel and one grid state at a time;
+the ``ci`` marker of the benchmarks that CI runs untimed."""
 
 import warnings
 
@@ -9,6 +10,29 @@ import pytest
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import states  # noqa: F401
+
+# CI (tox -e vllm: pytest benchmarks -m ci --benchmark-disable) runs fastbatch's
+# variants on the small cells, each still checked against stock vLLM; tox -e
+# bench-micro times every variant over the whole grid.  A benchmark is marked
+# ``ci`` unless one of its parameters is another variant, or a cell with more
+# requests or a longer output than these.
+CI_VARIANTS = frozenset({"fastbatch", "verify", "sampled"})
+CI_MAX_REQUESTS = 256
+CI_MAX_OUTPUT_LEN = 4000
+
+
+def _in_ci(name, value) -> bool:
+    if name == "variant":
+        return value in CI_VARIANTS
+    requests = value if name == "requests" else getattr(value, "requests", 0)
+    return requests <= CI_MAX_REQUESTS and getattr(value, "output_len", 0) <= CI_MAX_OUTPUT_LEN
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        if all(_in_ci(name, value) for name, value in params.items()):
+            item.add_marker(pytest.mark.ci)
 
 
 @pytest.fixture(scope="session")

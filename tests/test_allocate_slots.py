@@ -128,20 +128,6 @@ def test_lockstep_spec_decode_matches_stock(workload):
         assert harness.preemptions > 0
 
 
-@pytest.mark.parametrize("workload", lockstep.SPEC_WORKLOADS, ids=lambda w: w.name)
-def test_lockstep_spec_decode_with_every_scheduler_piece(workload):
-    """As ``FASTBATCH=1`` leaves a scheduler (the four scheduler pieces)."""
-    from test_update_from_output import make_fast_with_every_scheduler_piece
-
-    _kernels.reset_stats()
-    _reference.reset_stats()
-    lockstep.Lockstep(workload, seed=8,
-                      make_fast=make_fast_with_every_scheduler_piece).run(STEPS_PER_WORKLOAD)
-    counters = fastbatch.stats()["allocate_slots"]
-    assert counters["noop_allocations"] > 0 and counters["stock_allocations"] > 0
-    assert twin_piece.stats() == IDLE
-
-
 def test_lockstep_spec_decode_with_the_pure_python_twin():
     _kernels.reset_stats()
     _reference.reset_stats()

@@ -131,9 +131,9 @@ def generate(tiny_model, tmp_path_factory):
 
     def run(fastbatch: bool, async_scheduling: bool = True, workers: bool = False,
             workload: str = "mixed", disable: str = "", executor: str = "default",
-            verify: str = "", plant_bugs: str = ""):
+            verify: str = "", plant_bugs: str = "", disable_each: bool = False):
         key = (fastbatch, async_scheduling, workers, workload, disable, executor, verify,
-               plant_bugs)
+               plant_bugs, disable_each)
         if key not in cache:
             folder = tmp_path_factory.mktemp("run")
             out = folder / "result.json"
@@ -159,6 +159,8 @@ def generate(tiny_model, tmp_path_factory):
                 command.append("--async-scheduling")
             if plant_bugs:
                 command += ["--plant-bugs", *plant_bugs.split()]
+            if disable_each:
+                command += ["--disable-each", *PATCH_NAMES]
             returncode, output = _run_in_own_process_group(command, env)
             assert returncode == 0, output[-5000:]
             cache[key] = json.loads(out.read_text())
@@ -355,9 +357,14 @@ def test_penalties_kernel_at_long_outputs(generate):
 @pytest.mark.parametrize("name", PATCH_NAMES)
 def test_disable_one_piece_leaves_it_stock_and_tokens_unchanged(generate, name):
     """FASTBATCH_DISABLE=<piece>, for each piece: that piece stays stock, every
-    other one is installed, and the tokens are stock's."""
+    other one is installed, and the tokens are stock's.  One process for every
+    name (``--disable-each``): a fresh engine per name, the patches applied
+    again as the plugin applies them at a process's start (that start with
+    FASTBATCH_DISABLE set is tested below, with the penalties piece and with
+    Ray)."""
     stock = generate(fastbatch=False, workload="every-piece")
-    partial = generate(fastbatch=True, workload="every-piece", disable=name)
+    partial = generate(fastbatch=True, workload="every-piece",
+                       disable_each=True)["disable_each"][name]
 
     (worker,) = partial["workers"]
     assert worker["async_scheduling"] is True

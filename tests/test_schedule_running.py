@@ -46,7 +46,7 @@ PIECE = registry.piece("schedule_running")
 STOCK = Scheduler.schedule
 TOTAL_STEPS = int(os.environ.get("FASTBATCH_LOCKSTEP_STEPS", "2000"))
 ALL_WORKLOADS = lockstep.WORKLOADS + lockstep.SPEC_WORKLOADS
-STEPS_PER_WORKLOAD = max(1, TOTAL_STEPS // len(lockstep.WORKLOADS))
+STEPS_PER_WORKLOAD = max(1, TOTAL_STEPS // len(ALL_WORKLOADS))  # TOTAL_STEPS a run
 IDLE = {"requests": 0, "skipped": 0, "handed_over": 0}
 
 
@@ -159,18 +159,28 @@ def make_fast_as_fastbatch_leaves_it(workload):
 @pytest.mark.parametrize("workload", ALL_WORKLOADS, ids=lambda w: w.name)
 def test_lockstep_with_every_scheduler_piece(workload):
     """As ``FASTBATCH=1`` leaves a scheduler: the five scheduler pieces, where
-    this vLLM is a verified target of each."""
+    this vLLM is a verified target of each.  The suite's one lockstep run of
+    them together, over every plain and spec-decoding workload: each piece
+    that is installed took requests, those that are not stayed idle, and no
+    twin ran."""
     assert _guard_accepts("schedule_running") and _guard_accepts("allocate_slots")
     _reset()
-    lockstep.Lockstep(workload, seed=9,
+    lockstep.Lockstep(workload, seed=8,
                       make_fast=make_fast_as_fastbatch_leaves_it).run(STEPS_PER_WORKLOAD)
     stats = fastbatch.stats()
     assert stats["schedule_running"]["requests"] > 0
-    assert stats["allocate_slots"]["noop_allocations"] > 0
-    if _guard_accepts("update_from_output"):
-        assert stats["update_from_output"]["fast_outputs"] > 0
-    else:
-        assert not any(stats["update_from_output"].values())
+    allocations = stats["allocate_slots"]
+    assert allocations["noop_allocations"] > 0
+    if workload.num_spec_tokens:  # and left some to vLLM
+        assert allocations["stock_allocations"] > 0
+    for name, counter in (("update_from_output", "fast_outputs"),
+                          ("after_schedule", "requests"), ("cached_requests", "requests")):
+        if _guard_accepts(name):
+            assert stats[name][counter] > 0, (name, counter)
+        else:
+            assert not any(stats[name].values()), name
+    twins = _reference.stats()
+    assert not any(any(twins[name].values()) for name in _PIECE_ATTRIBUTES), twins
 
 
 def test_every_scheduler_piece_is_a_verified_target_where_token_ids_are_lists():

@@ -156,22 +156,6 @@ def test_lockstep_fast_path_matches_stock(workload):
         assert harness.preemptions > 0
 
 
-@pytest.mark.parametrize("workload", lockstep.WORKLOADS, ids=lambda w: w.name)
-def test_lockstep_with_every_scheduler_piece(workload):
-    _kernels.reset_stats()
-    _reference.reset_stats()
-    harness = lockstep.Lockstep(workload, seed=8,
-                                make_fast=make_fast_with_every_scheduler_piece)
-    harness.run(STEPS_PER_WORKLOAD)
-    counters = fastbatch.stats()
-    for name, counter in (("update_from_output", "fast_outputs"),
-                          ("allocate_slots", "noop_allocations"),
-                          ("after_schedule", "requests"), ("cached_requests", "requests")):
-        if OTHER_PIECES.get(name, True):
-            assert counters[name][counter] > 0, (name, counter)
-    assert idle(_reference.stats())  # no twin ran
-
-
 @pytest.mark.parametrize("workload", [lockstep.WORKLOADS[3], lockstep.WORKLOADS[6]],
                          ids=lambda w: w.name)
 def test_lockstep_with_the_pure_python_twin(monkeypatch, workload):

@@ -35,11 +35,16 @@ this script starts and stops; see ``_start_ray``.
 ``--plant-bugs NAME...`` (tests only, in-process runs) makes those pieces
 (``all``: every one) subtly wrong once the engine is built
 (tools/planted_bugs.py), for the FASTBATCH_VERIFY tests.
+``--disable-each NAME...`` (tests only, in-process runs) then generates again
+once per name, each on a fresh engine in this process with
+``FASTBATCH_DISABLE=NAME``, fastbatch's patches reverted and applied again as
+the plugin applies them when a process starts: one process for every name.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -147,6 +152,45 @@ REPLACED_FUNCTIONS = {
 }
 
 
+def _bad_word_violations(labels, token_ids, banned) -> list:
+    return [[i, part] for i, (label, ids) in enumerate(zip(labels, token_ids, strict=True))
+            if label in ("bad_words", "all") for part in banned if _contains(ids, part)]
+
+
+def _shut_down(llm) -> None:
+    """Stop an in-process engine and free what it holds, so that another can
+    be built in this process (as vLLM's own tests do between engines)."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def _with_each_disabled(names, make_llm, prompts, params, labels, banned) -> dict:
+    """``--disable-each``: for each name, ``FASTBATCH_DISABLE=name``, the
+    patches reverted and applied again (``vllm_plugin.register``, which vLLM's
+    plugin loader calls once per process), a fresh engine, the same generate:
+    its workers' status, token ids and bad-word violations, by name."""
+    import fastbatch.vllm_plugin
+
+    runs = {}
+    for name in names:
+        os.environ["FASTBATCH_DISABLE"] = name
+        fastbatch.vllm_plugin.revert()
+        fastbatch.vllm_plugin.register()
+        llm = make_llm()
+        token_ids = [list(o.outputs[0].token_ids)
+                     for o in llm.generate(prompts, params, use_tqdm=False)]
+        runs[name] = {"workers": llm.collective_rpc(fastbatch.vllm_plugin.status),
+                      "token_ids": token_ids,
+                      "bad_word_violations": _bad_word_violations(labels, token_ids, banned)}
+        _shut_down(llm)
+        del llm
+    return runs
+
+
 def _in_process_engine_core(llm):
     """The EngineCore of an in-process LLM (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)
@@ -250,6 +294,10 @@ def main() -> None:
     parser.add_argument("--plant-bugs", nargs="+", default=[],
                         help="tests only: subtle bugs in these pieces (all: every one; "
                              "tools/planted_bugs.py; needs in-process vLLM)")
+    parser.add_argument("--disable-each", nargs="+", default=[],
+                        help="tests only: then generate again with FASTBATCH_DISABLE set to "
+                             "each of these names in turn, each on a fresh engine in this "
+                             "process (needs in-process vLLM)")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -264,13 +312,16 @@ def main() -> None:
     speculative_config = None if args.draft_model is None else {
         "method": "draft_model", "model": args.draft_model,
         "num_speculative_tokens": args.num_speculative_tokens}
-    llm = LLM(model=args.model, dtype="float32", max_model_len=args.max_model_len,
-              enforce_eager=True, max_num_seqs=args.max_num_seqs,
-              kv_cache_memory_bytes=args.kv_cache_mb * 2**20, seed=0,
-              async_scheduling=args.async_scheduling,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              speculative_config=speculative_config,
-              distributed_executor_backend="ray" if args.executor == "ray" else None)
+    def make_llm():
+        return LLM(model=args.model, dtype="float32", max_model_len=args.max_model_len,
+                   enforce_eager=True, max_num_seqs=args.max_num_seqs,
+                   kv_cache_memory_bytes=args.kv_cache_mb * 2**20, seed=0,
+                   async_scheduling=args.async_scheduling,
+                   max_num_batched_tokens=args.max_num_batched_tokens,
+                   speculative_config=speculative_config,
+                   distributed_executor_backend="ray" if args.executor == "ray" else None)
+
+    llm = make_llm()
     report["engine_start_s"] = time.perf_counter() - started
     if args.plant_bugs:
         import planted_bugs
@@ -337,9 +388,7 @@ def main() -> None:
         token_ids=token_ids,
         plain_token_ids=plain_ids,
         bad_words=bad_words,
-        bad_word_violations=[
-            [i, part] for i, (label, ids) in enumerate(zip(labels, token_ids, strict=True))
-            if label in ("bad_words", "all") for part in banned if _contains(ids, part)],
+        bad_word_violations=_bad_word_violations(labels, token_ids, banned),
     )
     if ray_task_environment is not None:
         import ray
@@ -348,6 +397,11 @@ def main() -> None:
                       ray_task_environment=ray.get(ray_task_environment))
         llm.llm_engine.engine_core.shutdown()  # the engine's Ray actor, then Ray
         ray.shutdown()
+    if args.disable_each:
+        _shut_down(llm)
+        del llm
+        report["disable_each"] = _with_each_disabled(args.disable_each, make_llm, prompts,
+                                                     params, labels, banned)
     with open(args.out, "w") as out:
         json.dump(report, out)
 
