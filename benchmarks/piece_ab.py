@@ -29,9 +29,9 @@ timed on its class, so time it where the piece is called from, not the
 replaced function itself, which the revert would unwrap.  With all the
 output processor's pieces (the second command) the off side is stock
 ``process_outputs``.  ``--cold`` puts the pieces' per-process tables as a
-new process has them (``forget()`` of their patch modules:
-``update_sample_logprobs``' memos of U+FFFD corrections emptied, its texts
-as the engine's start reads them ahead) before every generate, so that each
+new process has them (``fastbatch.patches._texts.forget()``, for the
+pieces that read the tokenizer texts: the memos of U+FFFD corrections
+emptied, the texts as the engine's start reads them ahead) before every generate, so that each
 run meets its U+FFFD contexts for the first time, as a new process does;
 without it the warm-up generate (the same requests) has filled the memos
 with this run's.  ``--verify RATE`` (the third command)
@@ -71,6 +71,7 @@ from function_timers import STEP_FUNCTIONS, FunctionTimers
 from vllm_generate import PROMPTS, _logprobs, _settings
 
 from fastbatch import registry
+from fastbatch.patches import _texts
 
 SETTINGS = ("greedy", "repetition", "logprobs=0", "logprobs=1", "logprobs=5")
 
@@ -81,10 +82,12 @@ INSTANCES = {"OutputProcessor": lambda llm: llm.llm_engine.output_processor}
 
 
 def _forgets(names: list[str]) -> list[Any]:
-    """The ``forget()`` of each named piece's patch module that has one (in
-    the registry's order): what ``--cold`` calls before every generate."""
-    return [registry.piece(name).module.forget for name in registry.NAMES
-            if name in names and hasattr(registry.piece(name).module, "forget")]
+    """What ``--cold`` calls before every generate: the tokenizer texts'
+    ``forget()`` (``fastbatch.patches._texts``), where a named piece reads
+    them (its patch module imports that module)."""
+    reads = any(getattr(registry.piece(name).module, "_texts", None) is _texts
+                for name in names)
+    return [_texts.forget] if reads else []
 
 
 def _timers(args: argparse.Namespace, llm: Any, pieces: list[Any]) -> Any:
