@@ -27,11 +27,13 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
 from libc.stdint cimport uint64_t
 
-from fastbatch._kernels._common cimport Py_None, PyDict_GetItemWithError, ScheduledPrefetch
-
-cdef extern from "Python.h":
-    dict PyObject_GenericGetDict(object o, void* context)
-    bint PyDict_Next(object p, Py_ssize_t* pos, PyObject** key, PyObject** value)
+from fastbatch._kernels._common cimport (
+    Py_None,
+    PyDict_GetItemWithError,
+    PyDict_Next,
+    PyObject_GenericGetDict,
+    ScheduledPrefetch,
+)
 
 cdef uint64_t _requests = 0
 cdef uint64_t _stock_calls = 0
